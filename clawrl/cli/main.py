@@ -1,0 +1,37 @@
+"""The `clawrl` command: one subcommand per module in clawrl/cli/.
+
+Each subcommand module defines `add_parser(subparsers) -> argparse.ArgumentParser` and sets
+`func=<callable(args) -> int>` on it. Modules are imported only when their command runs (or for --help),
+so `clawrl gpu-lock-exec` stays fast and a broken optional dependency only affects its own command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> module under clawrl.cli defining add_parser(subparsers)
+COMMANDS: dict[str, str] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clawrl", description="RL post-training for LLMs and LLM agents.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMANDS.values():
+        importlib.import_module(f"clawrl.cli.{module_name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
