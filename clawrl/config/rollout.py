@@ -1,0 +1,68 @@
+"""Rollout flags: batch sizes, sampling parameters, rewards and the rollout/generate/filter plugins.
+
+Plugin paths are `package.module.fn` or `package.module:fn` (clawrl/config/plugins.py loads them); the
+signatures are slime's (reference/slime.md section 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clawrl.config.errors import above, at_least, in_range, non_empty, top_k_valid
+from clawrl.config.fields import check_types, option
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Generation of training samples and their rewards."""
+
+    num_rollout: int | None = None
+    """Rollout steps (generate, then train) to run; this or --num-epoch is required."""
+    rollout_batch_size: int
+    """Prompts per rollout; each gives --n-samples-per-prompt samples."""
+    n_samples_per_prompt: int = 1
+    """Responses sampled per prompt (the group of GRPO-style baselines)."""
+    rollout_max_response_len: int | None = None
+    """Maximum new tokens per response (SGLang's max_new_tokens)."""
+    rollout_temperature: float = 1.0
+    """Sampling temperature; must be > 0 (the trainer divides logits by it too)."""
+    rollout_top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest token set with this total probability."""
+    rollout_top_k: int = -1
+    """Sample from the K most likely tokens (-1: off)."""
+    rollout_stop: list[str] | None = None
+    """Stop strings: generation ends after any of them."""
+    rollout_stop_token_ids: list[int] | None = None
+    """Token ids that end generation (for stop tokens that are hard to type)."""
+    rollout_seed: int = 42
+    """Seed for prompt shuffling and rollout sampling."""
+    over_sampling_batch_size: int | None = None
+    """Prompts per sampling round while dynamic sampling refills dropped groups; >= and default --rollout-batch-size."""
+    dynamic_sampling_filter_path: str | None = option(metavar="MODULE.FN")
+    """Keep-or-drop filter per prompt group (DAPO): fn(args, samples, **kw) -> bool | DynamicFilterOutput."""
+    rm_type: str | None = None
+    """Built-in reward function: math, gsm8k, deepscaler, dapo, f1, or remote_rm (with --rm-url)."""
+    rm_url: str | None = option(metavar="URL")
+    """Reward service for --rm-type remote_rm: POST {prompt, response, label} -> reward."""
+    reward_key: str | None = None
+    """Key of the reward value when the reward function returns a dict."""
+    custom_rm_path: str | None = option(metavar="MODULE.FN")
+    """Custom reward, replaces --rm-type: async fn(args, sample, **kw) -> float | dict."""
+    custom_generate_function_path: str | None = option(metavar="MODULE.FN")
+    """Custom generate step (multi-turn, tools): async fn(args, sample, sampling_params) -> Sample."""
+    rollout_function_path: str | None = option(metavar="MODULE.FN")
+    """Custom rollout: fn(args, rollout_id, data_source, evaluation=False) -> samples; default: clawrl's own."""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        at_least(self, "num_rollout", 0)
+        for name in ("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len"):
+            at_least(self, name, 1)
+        at_least(self, "over_sampling_batch_size", 1)
+        above(self, "rollout_temperature", 0)
+        in_range(self, "rollout_top_p", 0, 1, open_low=True)
+        top_k_valid(self, "rollout_top_k")
+        at_least(self, "rollout_stop_token_ids", 0)
+        non_empty(self, "rollout_stop")
+        for name in ("rm_type", "rm_url", "custom_rm_path", "custom_generate_function_path"):
+            non_empty(self, name)

@@ -1,0 +1,60 @@
+"""Training flags: batch sizes, micro-batching, optimizer, learning-rate schedule, loss type.
+
+Defaults follow slime's FSDP backend (AdamW betas 0.9/0.95, no weight decay, constant learning rate) with
+slime's own overrides (lr 1e-6, clip-grad 1.0, seed 1234, micro-batch 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from clawrl.config.errors import at_least, in_range
+from clawrl.config.fields import check_types, option
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Policy optimisation."""
+
+    global_batch_size: int | None = None
+    """Samples per optimizer step; default: all samples of a rollout; must divide them evenly."""
+    num_steps_per_rollout: int | None = None
+    """Optimizer steps per rollout: sets --global-batch-size to the rollout's samples // N."""
+    micro_batch_size: int = 1
+    """Samples per forward/backward pass on each GPU; ignored with --use-dynamic-batch-size."""
+    use_dynamic_batch_size: bool = False
+    """Pack micro-batches by token count, up to --max-tokens-per-gpu, instead of --micro-batch-size."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget of one packed micro-batch per GPU; required by --use-dynamic-batch-size."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate decay after warm-up, down to --min-lr at the last step."""
+    lr_warmup_iters: int = 0
+    """Optimizer steps of linear learning-rate warm-up from 0."""
+    min_lr: float = 0.0
+    """Learning rate at the end of linear or cosine decay."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1 (first-moment decay)."""
+    adam_beta2: float = 0.95
+    """AdamW beta2 (second-moment decay)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+    seed: int = 1234
+    """Seed for the trainer's randomness."""
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
+    """policy_loss (RL), sft_loss (negative log-likelihood of response tokens) or custom_loss."""
+    custom_loss_function_path: str | None = option(metavar="MODULE.FN")
+    """Loss for --loss-type custom_loss: fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)."""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        for name in ("global_batch_size", "num_steps_per_rollout", "micro_batch_size", "max_tokens_per_gpu"):
+            at_least(self, name, 1)
+        for name in ("lr", "lr_warmup_iters", "min_lr", "weight_decay", "clip_grad"):
+            at_least(self, name, 0)
+        in_range(self, "adam_beta1", 0, 1)
+        in_range(self, "adam_beta2", 0, 1)

@@ -1,0 +1,195 @@
+"""Cross-flag validation and derived defaults of a job, following slime's `slime_validate_args`.
+
+`validate(job)` returns a resolved copy (the input is untouched) and is idempotent, so a config read back
+from a checkpoint validates to itself. The first broken rule raises one ConfigError naming the flags and
+values. The rules (reference/slime.md 2.4 and 8.2, for the flags clawrl has):
+
+- eval: --eval-interval needs --eval-prompt-data; unset eval sampling values take the rollout's.
+- model: --ref-load defaults to --hf-checkpoint (the reference is the initial policy); the KL terms
+  (--use-kl-loss, --kl-coef != 0) need one of them; an explicit, different --ref-load must exist;
+  --save-interval needs --save.
+- algorithm: --eps-clip-high defaults to --eps-clip; --kl-coef and --kl-loss-coef not both non-zero;
+  reinforce_plus_plus[_baseline] need --normalize-advantages; --tis-clip-low <= --tis-clip.
+- batch sizes: --num-steps-per-rollout k sets --global-batch-size = rollout samples // k (a given one must
+  agree), else it defaults to all of them, and must divide them (num_steps_per_rollout is filled in);
+  --over-sampling-batch-size defaults to and is >= --rollout-batch-size; --use-dynamic-batch-size needs
+  --max-tokens-per-gpu; --n-samples-per-prompt 1 turns off std normalisation.
+- run length: --num-rollout or --num-epoch; --num-epoch needs --prompt-data.
+- resources: --offload sets both offloads; --colocate defaults both to on and --rollout-num-gpus to the
+  trainer's GPUs; unset offloads become False; --rollout-num-gpus-per-engine divides --rollout-num-gpus.
+- rewards and losses: --rm-type remote_rm needs --rm-url; --loss-type custom_loss needs its function path;
+  --min-lr <= --lr.
+- output: --run-name defaults to run-<timestamp>, --output-dir to outputs/<run name>.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+
+from clawrl.config.errors import ConfigError
+from clawrl.config.job import JobConfig
+
+logger = logging.getLogger(__name__)
+
+# Estimators whose advantages use --kl-coef (slime: grpo/gspo ignore it and use the KL loss instead).
+_KL_REWARD_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def validate(job: JobConfig) -> JobConfig:
+    """A copy of `job` with derived defaults filled in; ConfigError on the first broken cross-flag rule."""
+    job = copy.deepcopy(job)
+    for rule in (
+        _eval,
+        _model_paths,
+        _algorithm,
+        _batch_sizes,
+        _run_length,
+        _resources,
+        _rewards_and_losses,
+        _output,
+    ):
+        rule(job)
+    return job
+
+
+def _eval(job: JobConfig) -> None:
+    e, r = job.eval, job.rollout
+    if e.eval_interval is not None and not e.eval_prompt_data:
+        raise ConfigError(
+            f"--eval-interval {e.eval_interval} requires --eval-prompt-data NAME PATH [NAME PATH ...]"
+        )
+    for name in ("temperature", "top_p", "top_k", "max_response_len"):
+        if getattr(e, f"eval_{name}") is None:
+            setattr(e, f"eval_{name}", getattr(r, f"rollout_{name}"))
+
+
+def _model_paths(job: JobConfig) -> None:
+    m, a = job.model, job.algo
+    if m.ref_load is None:
+        m.ref_load = m.hf_checkpoint
+    elif m.ref_load != m.hf_checkpoint and not os.path.exists(m.ref_load):
+        raise ConfigError(f"--ref-load {m.ref_load!r} does not exist")
+    if (a.use_kl_loss or a.kl_coef != 0) and m.ref_load is None:
+        why = "--use-kl-loss" if a.use_kl_loss else f"--kl-coef {a.kl_coef}"
+        raise ConfigError(f"{why} needs a reference model: give --hf-checkpoint or --ref-load (both unset)")
+    if job.model.save_interval is not None and job.model.save is None:
+        raise ConfigError(f"--save-interval {job.model.save_interval} requires --save DIR")
+
+
+def _algorithm(job: JobConfig) -> None:
+    a = job.algo
+    if a.eps_clip_high is None:
+        a.eps_clip_high = a.eps_clip
+    if a.kl_coef != 0 and a.kl_loss_coef != 0:
+        raise ConfigError(
+            f"--kl-coef {a.kl_coef} and --kl-loss-coef {a.kl_loss_coef} are both non-zero; use one "
+            "(--kl-coef penalises the reward, --kl-loss-coef weights a KL loss)"
+        )
+    if a.advantage_estimator.startswith("reinforce_plus_plus") and not a.normalize_advantages:
+        raise ConfigError(f"--advantage-estimator {a.advantage_estimator} requires --normalize-advantages")
+    if a.tis_clip_low > a.tis_clip:
+        raise ConfigError(f"--tis-clip-low {a.tis_clip_low} must be <= --tis-clip {a.tis_clip}")
+    if a.kl_coef != 0 and a.advantage_estimator not in _KL_REWARD_ESTIMATORS:
+        logger.warning(
+            "--kl-coef %s has no effect with --advantage-estimator %s; use --use-kl-loss --kl-loss-coef",
+            a.kl_coef,
+            a.advantage_estimator,
+        )
+    if a.kl_loss_coef != 0 and not a.use_kl_loss:
+        logger.warning("--kl-loss-coef %s has no effect without --use-kl-loss", a.kl_loss_coef)
+
+
+def _batch_sizes(job: JobConfig) -> None:
+    r, t = job.rollout, job.train
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    counted = (
+        f"--rollout-batch-size {r.rollout_batch_size} x --n-samples-per-prompt {r.n_samples_per_prompt}"
+        f" = {samples} samples per rollout"
+    )
+    if t.num_steps_per_rollout is not None:
+        steps = t.num_steps_per_rollout
+        if samples % steps:
+            raise ConfigError(f"--num-steps-per-rollout {steps} must divide the {counted}")
+        if t.global_batch_size is not None and t.global_batch_size != samples // steps:
+            raise ConfigError(
+                f"--global-batch-size {t.global_batch_size} disagrees with --num-steps-per-rollout {steps}: "
+                f"{counted} // {steps} = {samples // steps}"
+            )
+        t.global_batch_size = samples // steps
+    elif t.global_batch_size is None:
+        t.global_batch_size = samples
+        logger.info("--global-batch-size not set: using all %d samples of a rollout (one step)", samples)
+    if samples % t.global_batch_size:
+        raise ConfigError(f"--global-batch-size {t.global_batch_size} must divide the {counted}")
+    t.num_steps_per_rollout = samples // t.global_batch_size
+
+    if r.over_sampling_batch_size is None:
+        r.over_sampling_batch_size = r.rollout_batch_size
+    if r.over_sampling_batch_size < r.rollout_batch_size:
+        raise ConfigError(
+            f"--over-sampling-batch-size {r.over_sampling_batch_size} must be >= "
+            f"--rollout-batch-size {r.rollout_batch_size}"
+        )
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
+        raise ConfigError("--use-dynamic-batch-size requires --max-tokens-per-gpu N (unset)")
+    if r.n_samples_per_prompt == 1 and job.algo.grpo_std_normalization:
+        job.algo.grpo_std_normalization = False
+        logger.info("--n-samples-per-prompt 1: group std normalisation turned off")
+
+
+def _run_length(job: JobConfig) -> None:
+    num_rollout, num_epoch = job.rollout.num_rollout, job.data.num_epoch
+    if num_rollout is None and num_epoch is None:
+        raise ConfigError("one of --num-rollout or --num-epoch is required (both unset)")
+    if num_epoch is None:
+        return
+    if num_rollout is not None:
+        logger.info(
+            "--num-rollout %d and --num-epoch %d both set: --num-epoch is ignored", num_rollout, num_epoch
+        )
+    elif job.data.prompt_data is None:
+        raise ConfigError(f"--num-epoch {num_epoch} requires --prompt-data (epochs count passes over it)")
+
+
+def _resources(job: JobConfig) -> None:
+    r = job.resources
+    if r.offload:
+        r.offload_train = r.offload_rollout = True
+    derived = ""
+    if r.colocate:
+        r.offload_train = True if r.offload_train is None else r.offload_train
+        r.offload_rollout = True if r.offload_rollout is None else r.offload_rollout
+        if r.rollout_num_gpus is None:
+            r.rollout_num_gpus = r.actor_num_gpus
+            derived = (
+                f" (from --colocate: --actor-num-nodes {r.actor_num_nodes}"
+                f" x --actor-num-gpus-per-node {r.actor_num_gpus_per_node})"
+            )
+    r.offload_train = bool(r.offload_train)
+    r.offload_rollout = bool(r.offload_rollout)
+    if r.rollout_num_gpus is not None and r.rollout_num_gpus % r.rollout_num_gpus_per_engine:
+        raise ConfigError(
+            f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} must divide "
+            f"--rollout-num-gpus {r.rollout_num_gpus}{derived}"
+        )
+
+
+def _rewards_and_losses(job: JobConfig) -> None:
+    r, t = job.rollout, job.train
+    if r.rm_type == "remote_rm" and r.rm_url is None:
+        raise ConfigError("--rm-type remote_rm requires --rm-url URL (unset)")
+    if t.loss_type == "custom_loss" and t.custom_loss_function_path is None:
+        raise ConfigError("--loss-type custom_loss requires --custom-loss-function-path MODULE.FN (unset)")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"--min-lr {t.min_lr} must be <= --lr {t.lr}")
+
+
+def _output(job: JobConfig) -> None:
+    log = job.logging
+    if log.run_name is None:
+        log.run_name = time.strftime("run-%Y%m%d-%H%M%S")
+    if log.output_dir is None:
+        log.output_dir = os.path.join("outputs", log.run_name)
