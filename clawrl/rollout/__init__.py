@@ -1,0 +1,1 @@
+"""Rollout: generate functions, rewards, filters, data source and the RolloutManager."""
