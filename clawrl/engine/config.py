@@ -1,0 +1,63 @@
+"""EngineConfig: how one built-in engine is sized and run (flag names follow SGLang's server args)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Settings of one engine; `__post_init__` rejects bad values naming the field."""
+
+    model_path: str
+    """HF model directory (config.json, safetensors, tokenizer files)."""
+    device: str = "cpu"
+    """Torch device the model and KV cache live on ("cpu", "cuda", "cuda:1")."""
+    dtype: str = "float32"
+    """Weights, activations and KV cache dtype: float32 | bfloat16 | float16."""
+    block_size: int = 16
+    """Tokens per KV-cache block (the paging and prefix-cache granularity)."""
+    num_kv_blocks: int | None = None
+    """KV-cache blocks to allocate; None sizes the cache from mem_fraction_static (CUDA) or cpu_kv_cache_gib."""
+    mem_fraction_static: float = 0.85
+    """CUDA: fraction of the device's memory that weights + KV cache may take (SGLang's flag)."""
+    cpu_kv_cache_gib: float = 0.25
+    """CPU: KV-cache size in GiB when num_kv_blocks is None."""
+    max_running_requests: int = 256
+    """Most sequences decoding at once (each of a request's n samples counts)."""
+    max_num_batched_tokens: int = 8192
+    """Token budget per step: prefill chunks + decode tokens computed in one forward."""
+    context_length: int | None = None
+    """Longest prompt + output; None takes the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of earlier requests with the same token prefix (same weight version only)."""
+    enable_cuda_graph: bool = False
+    """Capture decode steps in CUDA graphs (GPU path, not built yet: accepted and ignored for now)."""
+    seed: int = 0
+    """Seed of the engine's generator that seeds requests which carry no seed of their own."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise ValueError(f"EngineConfig.model_path must be a directory path, got {self.model_path!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _positive("block_size", self.block_size)
+        _positive("max_running_requests", self.max_running_requests)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.context_length is not None:
+            _positive("context_length", self.context_length)
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(
+                f"EngineConfig.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+        if not self.cpu_kv_cache_gib > 0:
+            raise ValueError(f"EngineConfig.cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")

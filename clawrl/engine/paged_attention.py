@@ -1,0 +1,92 @@
+"""PagedAttention: the engine's AttentionBackend over the paged KV cache (CPU / reference path).
+
+Shapes: N = new tokens of the step (all sequences, flat), S = sequences, Hq / Hkv = query / key-value heads,
+D = head_dim, C = a sequence's context (cached + new tokens).
+
+Per layer: the step's new k/v are written into the cache at `slot_mapping` (slot = block * block_size +
+offset), then each sequence's new queries attend causally to its whole context, gathered from the cache by
+its slots. Query i of a sequence with n new tokens sits at position C - n + i and sees keys 0..C - n + i.
+The math is torch's scaled_dot_product_attention, per sequence, in the model's dtype (fp32 on CPU); a
+sequence computed from position 0 uses `is_causal=True`, the same call the trainer's varlen path makes.
+
+The GPU path (not built yet) replaces the per-sequence loop with a batched paged-decode kernel and a varlen
+prefill over the gathered context; `PagedBatch` already carries what those need except device-side block
+tables, which the GPU path will add as fixed-size tensors for CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from clawrl.engine.kv_cache import KVCache
+
+
+@dataclass(kw_only=True)
+class PagedBatch:
+    """Attention layout of one step, built once and used by every layer."""
+
+    slot_mapping_N: torch.Tensor
+    """Cache slot of each new token, LongTensor [N]."""
+    query_bounds: list[int]
+    """Start of each sequence's new tokens in the flat batch, plus N at the end: [S + 1]."""
+    context_slots: list[torch.Tensor]
+    """Per sequence, cache slots of its C context positions in order, LongTensor [C]."""
+    masks: list[torch.Tensor | None]
+    """Per sequence, bool [n, C] (True = may attend), or None when plain causal / a single query."""
+
+
+def causal_offset_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor | None:
+    """Bool [n, C] mask for n queries that are the last n of C positions; None if no mask is needed."""
+    if num_queries == 1 or num_queries == num_keys:
+        return None  # one query sees everything; n == C is the plain causal case (is_causal=True)
+    query_pos = torch.arange(num_keys - num_queries, num_keys, device=device).unsqueeze(1)
+    return torch.arange(num_keys, device=device).unsqueeze(0) <= query_pos
+
+
+class PagedAttention:
+    """AttentionBackend writing to and reading from a KVCache; call `begin(batch)` before each forward."""
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+        self.batch: PagedBatch | None = None
+
+    def begin(self, batch: PagedBatch) -> None:
+        """Set the layout of the next forward."""
+        self.batch = batch
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] (post-RoPE) -> [N, Hq, D]."""
+        batch = self.batch
+        assert batch is not None, "PagedAttention.begin() must be called before the forward"
+        k_cache = self.kv_cache.k[layer_idx].view(-1, k.shape[1], k.shape[2])
+        v_cache = self.kv_cache.v[layer_idx].view(-1, v.shape[1], v.shape[2])
+        # Every layer writes all new k/v before any sequence reads, so a sequence reading blocks another
+        # sequence writes in this same step would still see them (the scheduler does not rely on it).
+        k_cache.index_copy_(0, batch.slot_mapping_N, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.slot_mapping_N, v.to(v_cache.dtype))
+        out = torch.empty_like(q)
+        bounds = batch.query_bounds
+        for s, slots in enumerate(batch.context_slots):
+            start, end = bounds[s], bounds[s + 1]
+            out[start:end] = _attend(q[start:end], k_cache[slots], v_cache[slots], scale, batch.masks[s])
+        return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
+    """q [n, Hq, D] against k/v [C, Hkv, D] -> [n, Hq, D]."""
+    is_causal = mask is None and q.shape[0] > 1  # n == C from position 0
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)

@@ -1,0 +1,225 @@
+"""Scheduler: FCFS continuous batching of prefill and decode under a token budget. No torch here.
+
+Every step computes some tokens of some sequences in one forward:
+1. Running sequences, oldest first, each get what they still need (1 token when decoding, a chunk of the
+   prompt when prefilling) while the per-step token budget lasts. A long prompt is thus prefilled in chunks
+   across steps (chunked prefill) while decodes of other sequences continue.
+2. If KV blocks run out, the newest running sequence is preempted: its blocks are freed and it goes back to
+   the front of the waiting queue; later it is recomputed from prompt + generated tokens (its own freed blocks
+   are usually still in the prefix cache, so recomputation is often cheap). Sampling state is untouched, so
+   the sequence continues with exactly the tokens it would have produced.
+3. Waiting sequences are admitted in arrival order while the budget, `max_running_requests` and free blocks
+   allow; none are admitted in a step that preempted (they would only be preempted again). At admission a
+   sequence takes the longest run of cached full blocks of its tokens (prefix cache), but never the block
+   holding its last token, which must be computed to produce logits.
+
+Samples 1..n-1 of a request wait until sample 0 (their `leader`) has computed its prompt; then the prompt's
+full blocks are in the prefix cache and they share them (reference counts) and compute only the last,
+partial block themselves. There is no copy-on-write: the partial block is recomputed per sample.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from clawrl.engine.block_manager import BlockManager, chain_block_hashes
+from clawrl.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(kw_only=True)
+class ScheduledBatch:
+    """The work of one step: which sequences compute how many of their next tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    """Scheduled sequences, in batch order."""
+    num_new_tokens: list[int] = field(default_factory=list)
+    """Tokens each sequence computes this step, starting at its num_computed_tokens."""
+    num_preempted: int = 0
+    """Sequences preempted while building this batch."""
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is computed this step."""
+        return not self.seqs
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last token this step, so its next token is sampled."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_running_requests: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_running_requests = max_running_requests
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.weight_version = "0"
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FCFS)."""
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work; allocates the blocks it needs (see the module docstring)."""
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        if batch.num_preempted == 0:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """After the forward: advance computed counts and publish blocks that became full."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            first_full = seq.num_computed_tokens // self.block_manager.block_size
+            seq.num_computed_tokens += num_new
+            self._publish_full_blocks(seq, first_full)
+
+    def finish(self, seq: Sequence, finish_reason: dict) -> None:
+        """End a sequence (stop, length or abort): free its blocks and drop it from the queues."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._free_blocks(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = finish_reason
+
+    def preempt_all(self) -> int:
+        """Send every running sequence back to waiting (before a weight update); returns how many."""
+        count = len(self.running)
+        while self.running:
+            self._preempt(self.running[-1])
+        return count
+
+    # -- running sequences ------------------------------------------------------------------------------
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0, "a running sequence always has a token to compute"
+            if not self._grow_or_preempt(seq, seq.num_computed_tokens + num_new, batch):
+                break  # `seq` was the newest and preempted itself; everyone after it is gone too
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Give `seq` blocks for `num_tokens` positions, preempting the newest sequences as needed."""
+        manager = self.block_manager
+        while True:
+            num_missing = manager.blocks_for_tokens(num_tokens) - len(seq.block_table)
+            if num_missing <= 0 or manager.can_allocate(num_missing):
+                if num_missing > 0:
+                    seq.block_table.extend(manager.allocate(num_missing))
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.num_preempted += 1
+            if victim is seq:
+                return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- waiting sequences ------------------------------------------------------------------------------
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+            seq = self.waiting[0]
+            if _waits_for_leader(seq):
+                break
+            num_new = self._admit(seq, budget)
+            if num_new == 0:
+                break  # not enough free blocks; FCFS, so nobody behind it goes first
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Attach prefix hits and fresh blocks to `seq`; returns tokens to compute, 0 if blocks are short."""
+        manager = self.block_manager
+        hits = manager.match_prefix(self._hashes(seq, (seq.num_tokens - 1) // manager.block_size))
+        num_cached = len(hits) * manager.block_size
+        num_new = min(seq.num_tokens - num_cached, budget)
+        num_fresh = manager.blocks_for_tokens(num_cached + num_new) - len(hits)
+        if not manager.can_allocate(num_fresh, hits):
+            return 0
+        manager.acquire(hits)
+        seq.block_table = hits + manager.allocate(num_fresh)
+        seq.num_computed_tokens = num_cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        return num_new
+
+    # -- prefix cache -----------------------------------------------------------------------------------
+
+    def _namespace(self, seq: Sequence) -> str:
+        # Keyed by weight version: K/V computed by other weights are never reused. Without cross-request
+        # caching the request id scopes the cache, so a request's n samples still share their prompt.
+        if self.enable_prefix_caching:
+            return f"v={self.weight_version}"
+        return f"v={self.weight_version}|r={seq.request_id}"
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        namespace = self._namespace(seq)
+        if seq.hash_namespace != namespace:
+            seq.block_hashes = []
+            seq.hash_namespace = namespace
+        if len(seq.block_hashes) < num_blocks:
+            tokens = seq.token_ids(0, num_blocks * self.block_manager.block_size)
+            chain_block_hashes(seq.block_hashes, tokens, self.block_manager.block_size, num_blocks, namespace)
+        return seq.block_hashes[:num_blocks]
+
+    def _publish_full_blocks(self, seq: Sequence, first_block: int) -> None:
+        num_full = seq.num_computed_tokens // self.block_manager.block_size
+        if num_full <= first_block:
+            return
+        hashes = self._hashes(seq, num_full)
+        for i in range(first_block, num_full):
+            self.block_manager.publish(seq.block_table[i], hashes[i])
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.block_manager.release(seq.block_table)
+        seq.block_table = []
+
+
+def _waits_for_leader(seq: Sequence) -> bool:
+    """Samples 1..n-1 wait while sample 0 is still computing the prompt they will share."""
+    leader = seq.leader
+    return (
+        leader is not None
+        and leader.status is SequenceStatus.RUNNING
+        and leader.num_computed_tokens < leader.num_prompt_tokens
+    )

@@ -1,0 +1,94 @@
+"""Sequence: one sample being generated (a request with n > 1 has n of them). No torch here.
+
+A sequence's tokens are `prompt_token_ids + output_token_ids`. The first `num_computed_tokens` of them have
+their K/V in the cache, in the blocks listed by `block_table` (block i holds positions
+[i * block_size, (i + 1) * block_size)).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawrl.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: in the waiting queue, in the running batch, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(kw_only=True, eq=False)
+class Sequence:
+    """One sample of one request, with its KV-cache bookkeeping."""
+
+    seq_id: int
+    """Engine-wide unique id, increasing with arrival (FCFS order)."""
+    request_id: str
+    """Id of the request this sample belongs to."""
+    index: int = 0
+    """Sample index within the request, 0..n-1."""
+    prompt_token_ids: list[int]
+    """Prompt token ids."""
+    params: SamplingParams
+    """The request's sampling parameters."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Generated token ids so far."""
+    output_logprobs: list[float] = field(default_factory=list)
+    """Logprob of each generated token (see sampler.py for the definition)."""
+    status: SequenceStatus = SequenceStatus.WAITING
+    """Queue state."""
+    block_table: list[int] = field(default_factory=list)
+    """KV-cache block ids holding this sequence's positions, in order."""
+    num_computed_tokens: int = 0
+    """Leading tokens whose K/V are in the cache (from the prefix cache or computed)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission (reported as cached_tokens)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the leading full blocks, computed under `hash_namespace`."""
+    hash_namespace: str = ""
+    """Namespace (weight version, and request id when prefix caching is off) of `block_hashes`."""
+    leader: Sequence | None = None
+    """For samples 1..n-1 of a request: sample 0, whose prompt blocks they wait for and share."""
+    finish_reason: dict | None = None
+    """SGLang-style finish reason once finished: {"type": "stop" | "length" | "abort", ...}."""
+    num_preemptions: int = 0
+    """How often this sequence was preempted (its K/V dropped and later recomputed)."""
+    sampler_state: Any = None
+    """Opaque per-sequence sampler state (the engine keeps a torch.Generator here)."""
+    detokenizer: Any = None
+    """Incremental detokenizer, only for sequences with stop strings."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the sequence is done (stopped, truncated or aborted)."""
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list when avoidable."""
+        num_prompt = len(self.prompt_token_ids)
+        end = self.num_tokens if end is None else end
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
