@@ -12,7 +12,15 @@ import importlib
 import sys
 
 # command name -> module under clawrl.cli defining add_parser(subparsers)
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "engine": "engine",
+    "gpu-lock-exec": "gpu_lock_exec",
+    "make-tiny-model": "make_tiny_model",
+    "train": "train",  # also registers train-async
+}
+# Commands handed their raw arguments (module function `run_argv(argv) -> int`): gpu-lock-exec wraps a whole
+# command line (`-- CMD --its-flags`), which argparse subparsers cannot pass through verbatim.
+RAW_ARGV_COMMANDS = {"gpu-lock-exec"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in RAW_ARGV_COMMANDS:
+        return int(importlib.import_module(f"clawrl.cli.{COMMANDS[argv[0]]}").run_argv(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
