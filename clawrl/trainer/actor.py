@@ -1,0 +1,246 @@
+"""TrainActor: one data-parallel rank of the FSDP2 policy trainer, usable in-process or as a Ray actor.
+
+    actor = TrainActor(job, rank=0, world_size=1, master_port=free_port())
+    start_rollout_id = actor.init()                # builds model + FSDP2 + AdamW, loads --load if present
+    metrics = actor.train(train_batch)             # log-probs, ref log-probs, advantages, optimizer steps
+    actor.save(rollout_id)                          # --save checkpoint (collective)
+    for bucket in actor.weight_buckets(): ...      # (HF name, full tensor) buckets for weight sync
+
+All ranks of a job call the same methods in the same order (they run collectives).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from clawrl.config.job import JobConfig
+from clawrl.config.plugins import load_function
+from clawrl.data.train_batch import TrainBatch
+from clawrl.models.hf_io import load_model, save_hf
+from clawrl.models.loader import iter_safetensors
+from clawrl.trainer import checkpoint as ckpt
+from clawrl.trainer.distributed import all_reduce_sum, free_port, init_distributed
+from clawrl.trainer.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
+from clawrl.trainer.loss import LossFunction
+from clawrl.trainer.optim import LRSchedule, build_adamw
+from clawrl.trainer.rl_step import (
+    Stopwatch,
+    compute_advantages,
+    compute_log_probs,
+    forward_log_probs,
+    micro_batches,
+    per_sample_mean,
+    plan_steps,
+)
+from clawrl.trainer.weights import WeightBank, iter_full_tensors, iter_weight_buckets, tensor_checksum
+
+
+class TrainActor:
+    """One trainer rank. Construction is cheap; `init()` does the work (so Ray can place actors first)."""
+
+    def __init__(self, job: JobConfig, *, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, device: str | None = None):  # fmt: skip
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self.master_addr, self.master_port = master_addr, master_port or free_port()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.rollout_id_next = 0
+        self.total_optimizer_steps: int | None = None
+
+    # ------------------------------------------------------------------------------------------ setup
+    def init(self, total_optimizer_steps: int | None = None) -> int:
+        """Build everything; returns the rollout id to start from (0, or the one after the loaded checkpoint)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        init_distributed(rank=self.rank, world_size=self.world_size, master_addr=self.master_addr,
+                         master_port=self.master_port, device_type=self.device.type)  # fmt: skip
+        torch.manual_seed(self.job.train.seed)
+        self.model = self._build_model()
+        train = self.job.train
+        self.optimizer = build_adamw(
+            self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+            betas=(train.adam_beta1, train.adam_beta2),
+        )  # fmt: skip
+        self.schedule = LRSchedule(
+            self.optimizer, lr=train.lr, min_lr=train.min_lr, warmup_iters=train.lr_warmup_iters,
+            total_iters=total_optimizer_steps or 1, style=train.lr_decay_style,
+        )  # fmt: skip
+        self.ref_bank = self._build_ref_bank() if self._needs_ref() else None
+        self.loss_fn = self._build_loss()
+        return self._maybe_load()
+
+    def _build_model(self):
+        model_cfg = self.job.model
+        if not model_cfg.hf_checkpoint:
+            raise ValueError("--hf-checkpoint is required to build the trainer's model")
+        if model_cfg.model_impl == "hf":
+            from clawrl.trainer.hf_model import load_hf_model
+
+            model = load_hf_model(model_cfg.hf_checkpoint, device=self.device)
+        else:
+            model = load_model(model_cfg.hf_checkpoint, fused=False, device=self.device, dtype=torch.float32)
+        if model_cfg.gradient_checkpointing:
+            apply_activation_checkpointing(model)
+        compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.mesh = build_mesh(self.device.type, self.world_size)
+        return apply_fsdp(model, self.mesh, compute_dtype=compute_dtype)
+
+    def _needs_ref(self) -> bool:
+        algo = self.job.algo
+        return algo.use_kl_loss or algo.kl_coef != 0
+
+    def _build_ref_bank(self) -> WeightBank:
+        bank = WeightBank(self.model)  # the initial weights, i.e. --hf-checkpoint
+        ref_dir = self.job.model.ref_load
+        if ref_dir and Path(ref_dir).resolve() != Path(self.job.model.hf_checkpoint).resolve():
+            bank.load_(dict(iter_safetensors(ref_dir)), self.model)
+        return bank
+
+    def _build_loss(self) -> LossFunction:
+        train, algo = self.job.train, self.job.algo
+        if algo.advantage_estimator == "ppo" and train.loss_type == "policy_loss":
+            raise ValueError(
+                "--advantage-estimator ppo needs a critic model, which clawrl's trainer does not have yet"
+            )
+        custom = None
+        if train.loss_type == "custom_loss":
+            custom = load_function(train.custom_loss_function_path, "--custom-loss-function-path")
+        return LossFunction(algo, train.loss_type, custom, self.job.to_namespace())
+
+    def _maybe_load(self) -> int:
+        if not self.job.model.load or ckpt.latest_iteration(self.job.model.load) is None:
+            return 0
+        meta = ckpt.load_checkpoint(self.job.model.load, self.model, self.optimizer)
+        self.schedule.load_state_dict(meta["schedule"])
+        self.loaded_meta = meta
+        self.rollout_id_next = int(meta["next_rollout_id"])
+        return self.rollout_id_next
+
+    # ------------------------------------------------------------------------------------------ train
+    def train(self, batch: TrainBatch) -> dict[str, Any]:
+        """Train on one rollout; returns rollout/*, train/* (one dict per optimizer step) and perf/* metrics."""
+        watch = Stopwatch(self.device)
+        steps = self._plan(batch)
+        my_ids = [i for s in steps for i in (s.sample_ids[j] for j in s.plan.samples_of(self.rank))]
+        temperature = self.job.rollout.rollout_temperature
+        self.model.train()
+        with watch("log_probs"):
+            log_probs = compute_log_probs(self.model, batch, steps, self.rank, self.device, temperature)
+        ref_log_probs = None
+        if self.ref_bank is not None:
+            with watch("ref_log_probs"), self.ref_bank.swapped_into(self.model):
+                ref_log_probs = compute_log_probs(
+                    self.model, batch, steps, self.rank, self.device, temperature
+                )
+        advantages = compute_advantages(batch, my_ids, self.job.algo, log_probs, ref_log_probs, self.device)
+        per_token = {"old_log_probs": log_probs, "advantages": advantages}
+        if ref_log_probs is not None:
+            per_token["ref_log_probs"] = ref_log_probs
+        if batch.rollout_log_probs is not None:
+            per_token["rollout_log_probs"] = {
+                i: torch.tensor(batch.rollout_log_probs[i], dtype=torch.float32) for i in my_ids
+            }
+        metrics = self._rollout_metrics(batch, log_probs, ref_log_probs, advantages)
+        with watch("actor_train"):
+            metrics["train"] = [self._optimizer_step(batch, s, per_token, temperature) for s in steps]
+        metrics.update({f"perf/{k}_time": v for k, v in watch.times.items()})
+        num_tokens = sum(batch.total_lengths)
+        metrics["perf/actor_train_tok_per_s"] = (
+            num_tokens * len(steps) / max(watch.times["actor_train"], 1e-9)
+        )
+        self.rollout_id_next = batch.rollout_id + 1
+        return metrics
+
+    def _plan(self, batch: TrainBatch):
+        train = self.job.train
+        return plan_steps(
+            batch, global_batch_size=train.global_batch_size or len(batch), dp_size=self.world_size,
+            max_tokens_per_gpu=train.max_tokens_per_gpu if train.use_dynamic_batch_size else None,
+            micro_batch_size=train.micro_batch_size, max_response_len=self.job.rollout.rollout_max_response_len,
+        )  # fmt: skip
+
+    def _rollout_metrics(self, batch, log_probs, ref_log_probs, advantages) -> dict[str, Any]:
+        out = {
+            "rollout/log_probs": per_sample_mean(log_probs, batch, self.device),
+            "rollout/advantages": per_sample_mean(advantages, batch, self.device),
+        }
+        if ref_log_probs is not None:
+            out["rollout/ref_log_probs"] = per_sample_mean(ref_log_probs, batch, self.device)
+        if batch.rollout_log_probs is not None:
+            rollout = {i: torch.tensor(batch.rollout_log_probs[i]) for i in log_probs}
+            out["rollout/rollout_log_probs"] = per_sample_mean(rollout, batch, self.device)
+        return out
+
+    def _optimizer_step(self, batch, step, per_token, temperature) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = {}
+        for mb in micro_batches(batch, step, self.rank, self.device, per_token):
+            log_probs, entropy = forward_log_probs(self.model, mb, temperature, with_entropy=True)
+            loss, metrics = self.loss_fn(mb, log_probs, entropy, step.counts)
+            # FSDP averages gradients over ranks; the loss terms are already global sums, so undo the mean.
+            (loss * self.world_size).backward()
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + value.detach().double()
+        names = sorted(sums)
+        totals = all_reduce_sum(torch.stack([torch.as_tensor(sums[n]) for n in names]).to(self.device))
+        out = {f"train/{n}": float(v) for n, v in zip(names, totals.tolist(), strict=True)}
+        out["train/grad_norm"] = self._clip_grad()
+        out["train/lr"] = self.schedule.apply()
+        self.optimizer.step()
+        self.schedule.advance()
+        return out
+
+    def _clip_grad(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if self.job.train.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.job.train.clip_grad, norm)
+        value = float(norm)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"gradient norm is {value} at optimizer step {self.schedule.step_count}")
+        return value
+
+    # ------------------------------------------------------------------------------------------ state
+    def save(self, rollout_id: int, extra: dict[str, Any] | None = None) -> str:
+        """Checkpoint to --save (collective); `extra` (plain types, e.g. the data cursor) goes into meta.json."""
+        if not self.job.model.save:
+            raise ValueError("TrainActor.save needs --save")
+        meta = {"schedule": self.schedule.state_dict(), "extra": extra or {}}
+        return str(ckpt.save_checkpoint(self.job.model.save, rollout_id, self.model, self.optimizer, meta))
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write the current weights as a HF directory (rank 0 writes; every rank must call)."""
+        state = dict(iter_full_tensors(self.model))
+        if self.rank == 0:
+            model = load_model_shell(self.job.model.hf_checkpoint)
+            model.load_state_dict(state, strict=True)
+            save_hf(model, out_dir, source_dir=self.job.model.hf_checkpoint)
+        dist.barrier()
+
+    def weight_buckets(self, dtype: torch.dtype | None = None):
+        """Buckets of (HF name, full tensor) of at most --update-weight-buffer-size bytes (collective)."""
+        return iter_weight_buckets(
+            iter_full_tensors(self.model, dtype), self.job.model.update_weight_buffer_size
+        )
+
+    def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
+        """sha256 per HF tensor of the current weights (collective; every rank returns the same dict)."""
+        return {name: tensor_checksum(t) for name, t in iter_full_tensors(self.model, dtype)}
+
+    def shutdown(self) -> None:
+        """Leave the process group; the barrier keeps rank 0 (the rendezvous store's host) alive until the
+        others are done, so no rank tears down a group a peer still uses."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def load_model_shell(model_dir: str):
+    """A CPU fp32 CausalLM of the checkpoint's architecture (weights loaded, then overwritten by the caller)."""
+    return load_model(model_dir, device="cpu", dtype=torch.float32)

@@ -1,0 +1,103 @@
+"""Training checkpoints: model + optimizer (torch.distributed.checkpoint), schedule, RNG, counters.
+
+Layout (slime's, so tools that look for it find it):
+
+    <save>/latest_checkpointed_iteration.txt     "3" (written last: a checkpoint without it is incomplete)
+    <save>/iter_0000003/dcp/                      model and optimizer, sharded, loadable at any world size
+    <save>/iter_0000003/meta.json                 rollout_id, next_rollout_id, world size, schedule, extra state
+    <save>/iter_0000003/rng_rank{r}.pt            each rank's torch (and CUDA) RNG state
+
+`iteration` = rollout_id + 1. Everything is tensors and plain containers: `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from clawrl.trainer.fsdp import reshard_all
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the path."""
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    """The iteration recorded in the tracker file, or None when `root` holds no complete checkpoint."""
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def save_checkpoint(root, rollout_id: int, model, optimizer, meta: dict[str, Any]) -> Path:
+    """Collective: every rank calls it. Returns the iteration directory."""
+    path = iteration_dir(root, rollout_id + 1)
+    reshard_all(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+    rank = dist.get_rank()
+    torch.save(_rng_state(), path / f"rng_rank{rank}.pt")
+    if rank == 0:
+        full_meta = {"rollout_id": rollout_id, "next_rollout_id": rollout_id + 1, **meta}
+        full_meta["world_size"] = dist.get_world_size()
+        (path / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True) + "\n")
+    dist.barrier()
+    if rank == 0:
+        tmp = Path(root) / (TRACKER + ".tmp")
+        tmp.write_text(f"{rollout_id + 1}\n")
+        os.replace(tmp, Path(root) / TRACKER)  # atomic: a crash never leaves a half-written tracker
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(root, model, optimizer) -> dict[str, Any] | None:
+    """Collective. Restores model, optimizer and RNG from the latest checkpoint; returns its meta (or None)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    path = iteration_dir(root, iteration)
+    if not (path / "meta.json").is_file():
+        raise CheckpointError(f"{path}: the tracker names iteration {iteration} but meta.json is missing")
+    reshard_all(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+    except Exception as e:  # DCP raises a bare CheckpointException listing every rank's failure
+        raise CheckpointError(f"{path / 'dcp'}: cannot load into this model: {e}") from e
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+    if not rng_file.is_file():  # another world size: ranks beyond the saved ones take rank 0's stream
+        rng_file = path / "rng_rank0.pt"
+    _set_rng_state(torch.load(rng_file, weights_only=True))
+    return json.loads((path / "meta.json").read_text())
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,57 @@
+"""Apply FSDP2 to a decoder: one `fully_shard` unit per transformer block, plus the root.
+
+The model knows nothing about distribution (torchtitan's rule): this function is the only place that does.
+On GPU parameters stay fp32 (the optimizer's master weights) and are cast to bf16 for compute, with fp32
+gradient reduction; on CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+
+def build_mesh(device_type: str, world_size: int) -> DeviceMesh:
+    """A 1-D data-parallel mesh over all trainer ranks."""
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, compute_dtype: torch.dtype) -> nn.Module:
+    """Shard `model.model.layers[i]` each, then the root (embedding, final norm, LM head)."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        # The last block is gathered again right away by backward: keep it unsharded after forward.
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Wrap every decoder block's forward in non-reentrant activation checkpointing, names unchanged."""
+    for layer in model.model.layers:
+        layer.forward = _checkpointed(layer.forward)
+
+
+def _checkpointed(forward):
+    def run(*args):
+        return checkpoint(forward, *args, use_reentrant=False)
+
+    return run
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every unsharded parameter so `model.parameters()` are the sharded DTensors again.
+
+    After a forward the root (and the last block, see apply_fsdp) keep their gathered parameters; code that
+    reads or writes the shards in place (reference swap, export, checkpoint) must reshard first, or it
+    would see full-size (and, on GPU, bf16) tensors.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,154 @@
+"""One rollout's training on one rank: log-prob passes, advantages, then the optimizer steps.
+
+Every rank holds the whole TrainBatch and computes the same micro-batch plan per optimizer step
+(`plan_micro_batches`), then works only on its own samples. The log-prob passes use the SAME micro-batches
+as the training pass, so with unchanged weights the recomputed log-probs are bit-identical to the ones
+the loss sees (step 1: ppo_kl == 0 and, with the reference equal to the policy, kl_loss == 0 exactly).
+
+Legend: M = response tokens of a micro-batch; per-sample tensors live in dicts keyed by sample index.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from clawrl.algo import compute_advantages_and_returns, kl_estimate, whiten_advantages
+from clawrl.data.train_batch import TrainBatch
+from clawrl.trainer.distributed import all_reduce_sum
+from clawrl.trainer.logprobs import linear_log_probs
+from clawrl.trainer.loss import StepCounts
+from clawrl.trainer.micro_batch import MicroBatch, build_micro_batch
+from clawrl.trainer.packing import MicroBatchPlan, plan_micro_batches
+
+
+@dataclass(kw_only=True)
+class StepPlan:
+    """The samples of one optimizer step and how this rank packs its share."""
+
+    sample_ids: list[int]
+    """Indices into the TrainBatch, the step's samples in order."""
+    plan: MicroBatchPlan
+    counts: StepCounts
+
+
+def plan_steps(batch: TrainBatch, *, global_batch_size, dp_size, max_tokens_per_gpu, micro_batch_size,
+               max_response_len) -> list[StepPlan]:  # fmt: skip
+    """Split the rollout into optimizer steps of `global_batch_size` samples and plan each."""
+    if len(batch) % global_batch_size:
+        raise ValueError(
+            f"the rollout has {len(batch)} samples, not a multiple of --global-batch-size {global_batch_size}"
+        )
+    lengths = batch.total_lengths
+    steps = []
+    for start in range(0, len(batch), global_batch_size):
+        ids = list(range(start, start + global_batch_size))
+        plan = plan_micro_batches(
+            [lengths[i] for i in ids],
+            dp_size,
+            max_tokens_per_gpu=max_tokens_per_gpu,
+            micro_batch_size=micro_batch_size,
+        )
+        counts = StepCounts(
+            num_tokens=float(sum(sum(batch.loss_masks[i]) for i in ids)),
+            num_samples=len(ids),
+            max_response_len=max_response_len or max(batch.response_lengths[i] for i in ids),
+        )
+        steps.append(StepPlan(sample_ids=ids, plan=plan, counts=counts))
+    return steps
+
+
+def micro_batches(batch, step: StepPlan, rank: int, device, per_token=None) -> list[MicroBatch]:
+    """This rank's micro-batches of one step (plan indices mapped back to TrainBatch indices)."""
+    return [
+        build_micro_batch(batch, [step.sample_ids[j] for j in mb], device, per_token)
+        for mb in step.plan.per_rank[rank]
+    ]
+
+
+def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: bool):
+    """Response-token log-probs (and entropy) of one micro-batch: [M] fp32 each."""
+    hidden = model(mb.input_ids_N, mb.positions_N, mb.attn)
+    return linear_log_probs(
+        hidden[mb.logit_rows_M], model.lm_head.weight, mb.targets_M, temperature=temperature,
+        with_entropy=with_entropy,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def compute_log_probs(model, batch, steps, rank, device, temperature) -> dict[int, torch.Tensor]:
+    """{sample index: [R] log-probs} for this rank's samples, with the model's current weights."""
+    out: dict[int, torch.Tensor] = {}
+    for step in steps:
+        for mb in micro_batches(batch, step, rank, device):
+            if mb.is_dummy:
+                forward_log_probs(model, mb, temperature, with_entropy=False)
+                continue
+            log_probs, _ = forward_log_probs(model, mb, temperature, with_entropy=False)
+            for sid, part in zip(mb.sample_ids, log_probs.split(mb.response_lengths), strict=True):
+                out[sid] = part.detach()
+    return out
+
+
+def compute_advantages(batch, my_ids, algo, log_probs, ref_log_probs, device) -> dict[int, torch.Tensor]:
+    """{sample index: [R] advantages} for this rank's samples (whitened over all ranks if asked)."""
+    if not my_ids:
+        return {}
+    lengths = [batch.response_lengths[i] for i in my_ids]
+    mask = torch.tensor([m for i in my_ids for m in batch.loss_masks[i]], dtype=torch.float32, device=device)
+    kl = None
+    if algo.kl_coef != 0:
+        kl = kl_estimate(
+            torch.cat([log_probs[i] for i in my_ids]), torch.cat([ref_log_probs[i] for i in my_ids]),
+            algo.kl_loss_type,
+        )  # fmt: skip
+    advantages, _ = compute_advantages_and_returns(
+        algo.advantage_estimator,
+        rewards_B=torch.tensor([batch.rewards[i] for i in my_ids], dtype=torch.float32, device=device),
+        response_lengths=lengths, loss_mask_N=mask, kl_N=kl, kl_coef=algo.kl_coef, gamma=algo.gamma,
+        lambd=algo.lambd,
+    )  # fmt: skip
+    if algo.normalize_advantages:
+        advantages = whiten_advantages(advantages, mask, sum_fn=all_reduce_sum)
+    return dict(zip(my_ids, advantages.float().split(lengths), strict=True))
+
+
+def per_sample_mean(values: dict[int, torch.Tensor], batch: TrainBatch, device) -> float:
+    """Mean over ALL samples (all ranks) of each sample's masked mean: slime's per-rollout-mean metric."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i, v in values.items():
+        mask = torch.tensor(batch.loss_masks[i], dtype=torch.float64, device=v.device)
+        total[0] += (v.double() * mask).sum() / mask.sum().clamp(min=1.0)
+        total[1] += 1
+    all_reduce_sum(total)
+    return float(total[0] / total[1].clamp(min=1.0))
+
+
+class Stopwatch:
+    """Accumulates named wall-clock durations (synchronising CUDA so GPU work is counted)."""
+
+    def __init__(self, device):
+        self.device, self.times = device, {}
+
+    def __call__(self, name):
+        return _Timed(self, name)
+
+
+class _Timed:
+    def __init__(self, watch, name):
+        self.watch, self.name = watch, name
+
+    def __enter__(self):
+        _sync(self.watch.device)
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        _sync(self.watch.device)
+        self.watch.times[self.name] = self.watch.times.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

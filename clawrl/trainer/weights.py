@@ -1,0 +1,112 @@
+"""Weights of the (sharded) training model: a reference-weight bank, bucketed export, checksums.
+
+Reference weights (`--ref-load`) live as a second copy of each rank's parameter SHARD on the training device,
+swapped into the model in place for the reference forward and swapped back after. With FSDP a rank holds
+1/world_size of the model, so the reference costs one more shard per rank, not a full model; the swap is a
+device-local copy (milliseconds) instead of a host round trip. This is slime's "weight backup" idea without
+a second model object.
+
+Weight export for sync gathers one parameter at a time (`DTensor.full_tensor()`, a collective every rank
+joins in the same order) and yields buckets of at most `--update-weight-buffer-size` bytes, so a device never
+holds more than the bucket beyond its own shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from clawrl.trainer.fsdp import reshard_all
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (the parameter itself when not sharded)."""
+    return param.to_local() if isinstance(param, DTensor) else param.data
+
+
+class WeightBank:
+    """A copy of every parameter shard of a model, swappable into it in place."""
+
+    def __init__(self, model: nn.Module):
+        self.names = [name for name, _ in model.named_parameters()]
+        self.shards = [local_tensor(p).detach().clone() for _, p in model.named_parameters()]
+
+    def load_(self, named_full: dict[str, torch.Tensor], model: nn.Module) -> None:
+        """Fill the bank from full (unsharded) tensors, keeping this rank's slice of each."""
+        for i, (name, param) in enumerate(model.named_parameters()):
+            if name not in named_full:
+                raise KeyError(f"reference weights have no tensor {name!r}")
+            full = named_full[name].to(self.shards[i].dtype)
+            self.shards[i].copy_(_slice_like(param, full))
+
+    @contextlib.contextmanager
+    def swapped_into(self, model: nn.Module):
+        """Run the body with the bank's weights in `model`; the model's own weights are back afterwards."""
+        reshard_all(model)
+        params = [p for _, p in model.named_parameters()]
+        _exchange(params, self.shards)
+        try:
+            yield
+        finally:
+            reshard_all(model)
+            _exchange(params, self.shards)
+
+
+def _exchange(params: list[torch.Tensor], shards: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for param, shard in zip(params, shards, strict=True):
+            live = local_tensor(param)
+            held = live.clone()
+            live.copy_(shard)
+            shard.copy_(held)
+
+
+def _slice_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The part of `full` that this rank holds for `param` (dim-0 sharding, as FSDP2 does)."""
+    if not isinstance(param, DTensor):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements).to_local()
+
+
+def iter_full_tensors(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every parameter, gathered one at a time; every rank must iterate."""
+    reshard_all(model)
+    for name, param in model.named_parameters():
+        local = param.detach()
+        if dtype is not None:
+            local = local.to(dtype)
+        yield name, local.full_tensor() if isinstance(local, DTensor) else local
+
+
+def iter_weight_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """sha256 of the tensor's bytes and dtype/shape: equal iff bit-identical."""
+    data = tensor.detach().contiguous().cpu()
+    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
