@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "engine": "engine",
     "gpu-lock-exec": "gpu_lock_exec",
     "make-tiny-model": "make_tiny_model",
+    "report": "report",
     "train": "train",  # also registers train-async
 }
 # Commands handed their raw arguments (module function `run_argv(argv) -> int`): gpu-lock-exec wraps a whole

@@ -1,0 +1,146 @@
+"""The run report on synthetic runs written by the real MetricLogger: every PNG (valid, 800x400) and an
+index.html referencing each; skipped plots noted; missing, empty and malformed metrics files named."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+
+from clawrl.metrics import MetricLogger, MetricsFileError
+from clawrl.metrics.plots import step_time_phases
+from clawrl.metrics.report import build_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ALL_PLOTS = ("reward", "eval", "kl", "entropy", "response_length", "step_time")
+CONFIG = {
+    "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4},
+    "train": {"lr": 1e-6, "global_batch_size": 32},
+    "logging": {"wandb_key": "secret-abc", "run_name": "demo-run"},
+}
+
+
+def _full_step(step: int) -> dict:
+    metrics = {
+        "rollout/raw_reward": 0.1 * step,
+        "rollout/rewards": 0.0,
+        "rollout/log_probs": -2.0 + 0.01 * step,
+        "rollout/ref_log_probs": -2.0,
+        "rollout/response_len/mean": 40.0 + step,
+        "rollout/response_len/min": 10.0,
+        "rollout/response_len/max": 80.0 + step,
+        "train": [
+            {"train/ppo_kl": 0.0, "train/kl_loss": 0.001 * step, "train/entropy_loss": 3.0 - 0.1 * step},
+            {"train/ppo_kl": 0.002, "train/kl_loss": 0.001 * step, "train/entropy_loss": 3.0 - 0.1 * step},
+        ],
+        "perf/rollout_time": 2.0,
+        "perf/train_time": 1.0 + 0.1 * step,
+        "perf/log_probs_time": 0.3,  # inside train: not stacked
+        "perf/update_weights_time": 0.2,
+        "perf/step_time": 3.5 + 0.1 * step,
+        "perf/tokens_per_gpu_per_sec": 1000.0,
+    }
+    if step % 3 == 0:
+        metrics.update({"eval/gsm8k": 0.2 + 0.05 * step, "eval/math": 0.1, "perf/eval_time": 0.5})
+    return metrics
+
+
+def _write_run(out_dir, steps, make=_full_step, config=CONFIG, run_name="demo-run"):
+    with MetricLogger(out_dir, run_name=run_name, config=config) as logger:
+        for step in steps:
+            logger.log(step, make(step))
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_full_run_writes_every_plot_and_the_page(tmp_path):
+    _write_run(tmp_path, range(7))
+    index = build_report(tmp_path)
+    assert index == tmp_path / "report" / "index.html"
+    html = index.read_text()
+    for name in ALL_PLOTS:
+        png = tmp_path / "report" / f"{name}.png"
+        assert png.stat().st_size > 5000  # a drawn plot, not a blank canvas
+        assert _png_size(png) == (800, 400)
+        assert f'<img src="{name}.png"' in html
+    assert 'class="skipped"' not in html
+    assert "<h1>demo-run</h1>" in html and "7 logged step(s), steps 0..6" in html
+    # config summary (leaf names in SUMMARY_FIELDS order) and the redacted key
+    assert '<tr><td>rollout.rollout_batch_size</td><td class="num">8</td></tr>' in html
+    assert "secret-abc" not in html and "&lt;redacted&gt;" in html
+    # final values: last logged value and its step (eval last ran at step 6)
+    assert '<tr><td>rollout/raw_reward</td><td class="num">0.6</td><td class="num">6</td></tr>' in html
+    assert '<tr><td>eval/gsm8k</td><td class="num">0.5</td><td class="num">6</td></tr>' in html
+    assert '<tr><td>train/ppo_kl@first</td><td class="num">0</td><td class="num">6</td></tr>' in html
+
+
+def test_step_time_stacks_top_level_phases_only():
+    keys = {"perf/rollout_time", "perf/train_time", "perf/log_probs_time", "perf/actor_train_time",
+            "perf/step_time", "perf/tokens_per_gpu_per_sec", "perf/update_weights_time"}  # fmt: skip
+    assert step_time_phases(keys) == ["perf/rollout_time", "perf/train_time", "perf/update_weights_time"]
+    assert step_time_phases({"perf/eval_time", "perf/zeta_time", "perf/rollout_time", "perf/alpha_time"}) == [
+        "perf/rollout_time",
+        "perf/eval_time",
+        "perf/alpha_time",
+        "perf/zeta_time",
+    ]
+    # without a loop-level train phase the trainer's own timers are the breakdown
+    assert step_time_phases({"perf/log_probs_time", "perf/actor_train_time", "perf/step_time"}) == [
+        "perf/log_probs_time",
+        "perf/actor_train_time",
+    ]
+
+
+def test_missing_metrics_skip_their_plots_with_a_note(tmp_path):
+    _write_run(tmp_path, range(7))
+    build_report(tmp_path)  # an earlier, full report in the same place
+    (tmp_path / "metrics.jsonl").unlink()
+    _write_run(tmp_path, range(3), make=lambda s: {"rollout/raw_reward": 0.5, "train/ppo_kl": math.nan})
+    html = build_report(tmp_path).read_text()
+    written = sorted(p.stem for p in (tmp_path / "report").glob("*.png"))
+    assert written == ["kl", "reward"]  # stale PNGs of now-skipped plots are removed
+    assert '<p class="skipped">skipped: no eval/&lt;name&gt; metric was logged (no eval ran)</p>' in html
+    assert "skipped: train/entropy_loss was not logged" in html
+    assert "skipped: rollout/response_len/mean was not logged" in html
+    assert "skipped: no perf/&lt;phase&gt;_time metric was logged" in html
+    assert '<tr><td>train/ppo_kl</td><td class="num">NaN</td><td class="num">2</td></tr>' in html
+
+
+def test_without_config_json_the_page_says_so(tmp_path):
+    _write_run(tmp_path / "run7", [0], make=lambda s: {"rollout/raw_reward": 1.0})
+    (tmp_path / "run7" / "config.json").unlink()
+    html = build_report(tmp_path / "run7", tmp_path / "elsewhere").read_text()
+    assert (tmp_path / "elsewhere" / "reward.png").is_file()
+    assert "<h1>run7</h1>" in html
+    assert "no config.json in the output directory: config not shown" in html
+
+
+def test_missing_metrics_file(tmp_path):
+    with pytest.raises(MetricsFileError, match=rf"^metrics file {tmp_path}/metrics.jsonl does not exist$"):
+        build_report(tmp_path)
+
+
+def test_empty_metrics_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("\n\n")
+    with pytest.raises(MetricsFileError, match=r"metrics.jsonl is empty: no step was logged"):
+        build_report(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"step": 1, "x": }', "not valid JSON (Expecting value at column 18)"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"x": 1.0}', "'step' must be an integer, got None"),
+    ],
+)
+def test_malformed_line_is_named(tmp_path, line, message):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "x": 1.0}\n\n' + line + "\n")
+    with pytest.raises(MetricsFileError) as info:
+        build_report(tmp_path)
+    assert str(info.value) == f"{tmp_path}/metrics.jsonl:3: {message}"
