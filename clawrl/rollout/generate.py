@@ -1,0 +1,112 @@
+"""The default generate function (slime's signature) and the sampling parameters built from the flags.
+
+    sample = await generate(args, sample, sampling_params)
+
+One `/generate` call through the rollout's router: the prompt is tokenised as it is (a chat prompt was
+already rendered by the dataset with --apply-chat-template; no special tokens are added), or, for a sample
+that already has tokens (a continued, multi-turn sample), those tokens are sent. The response tokens,
+their log-probs, text, weight version and finish status are appended with `Sample.append_response` /
+`Sample.apply_finish`. `max_new_tokens` is --rollout-max-response-len minus the response tokens the sample
+already has; at 0 the sample is TRUNCATED without a request. After the rollout was aborted (enough samples
+collected) the sample comes back ABORTED without a request.
+
+Seeds: a request without a seed gets `--rollout-seed + sample.index`, so a rollout is reproducible from
+(weights, seed, data cursor) and sibling samples of a prompt still differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clawrl.data.chat import encode_text
+from clawrl.data.sample import Sample, Status
+from clawrl.rollout.context import rollout_context
+
+
+def train_sampling_params(args: Any) -> dict[str, Any]:
+    """SGLang sampling params from the --rollout-* flags (slime's defaults for the text options)."""
+    return _sampling_params(
+        temperature=args.rollout_temperature,
+        top_p=args.rollout_top_p,
+        top_k=args.rollout_top_k,
+        max_new_tokens=args.rollout_max_response_len,
+        stop=args.rollout_stop,
+        stop_token_ids=args.rollout_stop_token_ids,
+    )
+
+
+def eval_sampling_params(args: Any) -> dict[str, Any]:
+    """Sampling params from the --eval-* flags, each falling back to its --rollout-* flag when unset."""
+
+    def pick(name: str) -> Any:
+        value = getattr(args, f"eval_{name}", None)
+        return getattr(args, f"rollout_{name}") if value is None else value
+
+    return _sampling_params(
+        temperature=pick("temperature"),
+        top_p=pick("top_p"),
+        top_k=pick("top_k"),
+        max_new_tokens=pick("max_response_len"),
+        stop=args.rollout_stop,
+        stop_token_ids=args.rollout_stop_token_ids,
+    )
+
+
+def _sampling_params(**values: Any) -> dict[str, Any]:
+    params = dict(values)
+    params["stop"] = list(params["stop"] or [])
+    params["stop_token_ids"] = list(params["stop_token_ids"] or [])
+    # slime sends these: keep special tokens and stop strings in the text the reward function sees.
+    params.update(skip_special_tokens=False, no_stop_trim=True, spaces_between_special_tokens=False)
+    return params
+
+
+def prompt_token_ids(sample: Sample, tokenizer: Any) -> list[int]:
+    """Token ids to send: the sample's tokens if it has some, else its (already rendered) prompt, encoded."""
+    if sample.tokens:
+        return list(sample.tokens)
+    if not isinstance(sample.prompt, str):
+        raise ValueError(
+            f"sample {sample.index}: the prompt is a list of chat messages; the default generate function "
+            "needs text: pass --apply-chat-template so the dataset renders it"
+        )
+    if tokenizer is None:
+        raise ValueError(
+            f"sample {sample.index}: cannot tokenise the prompt: the RolloutManager has no tokenizer "
+            "(set --hf-checkpoint or pass tokenizer_path)"
+        )
+    return encode_text(tokenizer, sample.prompt)
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Extend `sample` with one engine response (see the module docstring); returns the same sample."""
+    ctx = rollout_context()
+    if ctx.aborted:
+        sample.status = Status.ABORTED
+        return sample
+    input_ids = prompt_token_ids(sample, ctx.tokenizer)
+    params = dict(sampling_params)
+    limit = params.get("max_new_tokens")
+    if limit is not None:
+        params["max_new_tokens"] = limit - sample.response_length
+        if params["max_new_tokens"] <= 0:
+            sample.status = Status.TRUNCATED
+            return sample
+    if params.get("seed") is None and sample.index is not None:
+        params["seed"] = int(args.rollout_seed) + sample.index
+    if not sample.tokens:
+        sample.tokens = list(input_ids)
+    payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+    output = await ctx.router.generate(payload, session_id=sample.session_id)
+    meta = output["meta_info"]
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        raise ValueError(
+            f"sample {sample.index}: the engine's /generate response has no meta_info.output_token_logprobs "
+            "although return_logprob was requested"
+        )
+    token_ids = [int(pair[1]) for pair in pairs]
+    log_probs = [float(pair[0]) for pair in pairs]
+    sample.append_response(token_ids, log_probs, output.get("text", ""))
+    sample.apply_finish(meta.get("finish_reason"), meta.get("weight_version"))
+    return sample

@@ -1,0 +1,393 @@
+"""RolloutManager: prompts -> engine generations -> rewards -> a TrainBatch, and evaluation (a plain class;
+the training loop wraps it in a Ray actor).
+
+    manager = RolloutManager(job, engine_urls, tokenizer_path=None, num_rollout_gpus=None)
+    batch, metrics = manager.generate(rollout_id)      # TrainBatch (rewards post-processed) + rollout metrics
+    manager.last_samples                               # that rollout's Samples, in batch order
+    metrics = manager.eval(rollout_id)                 # {"eval/<name>": mean reward, ...}
+    state = manager.state_dict(); manager.load_state_dict(state)   # data cursor (plain types)
+    manager.check_health(); manager.close()
+
+It owns an asyncio event loop in a background thread (the router's HTTP clients live there), so its methods
+are plain blocking calls, each with a deadline (`rollout_timeout_s`). A rollout is clawrl's default loop
+(clawrl/rollout/default_rollout.py: --over-sampling-batch-size, --dynamic-sampling-filter-path, abort of
+the leftovers) or the user's `--rollout-function-path`. Then, as slime's RolloutManager does: groups are
+sorted by their first sample's index, raw rewards (`--reward-key` picks from dict rewards) are
+post-processed by `clawrl.algo.postprocess_rewards` (group normalisation per --advantage-estimator,
+--disable-rewards-normalization, --disable-grpo-std-normalization; a group is one prompt's samples, all
+groups must be the same size), and `TrainBatch.from_samples` builds the batch. Metrics: see
+clawrl/rollout/metrics.py.
+
+Decision (as slime): prompts of groups aborted because the batch was already full stay consumed; the data
+cursor does not rewind, so with over-sampling an epoch visits fewer than all prompts for training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+
+from clawrl.algo import postprocess_rewards
+from clawrl.config.plugins import load_function
+from clawrl.data.dataset import PromptDataset
+from clawrl.data.sample import Sample, Status
+from clawrl.data.source import PromptSource
+from clawrl.data.train_batch import TrainBatch
+from clawrl.rollout.context import RolloutContext, reset_rollout_context, set_rollout_context
+from clawrl.rollout.data_source import RolloutDataSource
+from clawrl.rollout.default_rollout import GroupGenerator, collect_train_groups, generate_eval_samples
+from clawrl.rollout.filters import FILTER_FLAG, DynamicFilterOutput, apply_filter
+from clawrl.rollout.generate import eval_sampling_params, train_sampling_params
+from clawrl.rollout.hooks import (
+    ROLLOUT_FLAG,
+    GenerateFunctions,
+    call_rollout_fn,
+    check_rollout_samples,
+    eval_output,
+    train_output,
+)
+from clawrl.rollout.metrics import eval_metrics, rollout_metrics
+from clawrl.rollout.rewards import build_reward_fn
+from clawrl.rollout.router import EngineRouter
+
+logger = logging.getLogger(__name__)
+
+# Estimators whose post-processing compares a sample with its group (so groups must be equal-sized).
+_UNGROUPED_ESTIMATORS = ("ppo", "reinforce_plus_plus")
+
+
+class RolloutManager:
+    """Generates training batches and evaluation metrics from prompt data through engine servers."""
+
+    def __init__(
+        self,
+        job: Any,
+        engine_urls: list[str],
+        *,
+        tokenizer_path: str | None = None,
+        num_rollout_gpus: int | None = None,
+        request_timeout_s: float = 1800.0,
+        health_timeout_s: float = 30.0,
+        rollout_timeout_s: float = 3600.0,
+        abort_timeout_s: float = 60.0,
+        max_concurrency_per_engine: int = 512,
+    ) -> None:
+        self.job = job
+        self.rollout_timeout_s = rollout_timeout_s
+        self.abort_timeout_s = abort_timeout_s
+        self.args = job.to_namespace()
+        self.args.rollout_engine_urls = list(engine_urls)  # for plugins that talk to engines themselves
+        self.num_rollout_devices = _num_devices(num_rollout_gpus, job, engine_urls)
+        self.tokenizer = _load_tokenizer(tokenizer_path or job.model.hf_checkpoint)
+        self._load_plugins()
+        self.data_source = RolloutDataSource(
+            self._train_source(),
+            job.rollout.n_samples_per_prompt,
+            save_dir=job.model.save,
+            load_dir=job.model.load,
+        )
+        self.eval_datasets = {name: self._dataset(path) for name, path in job.eval.eval_prompt_data.items()}
+        self.router = EngineRouter(
+            engine_urls,
+            request_timeout_s=request_timeout_s,
+            health_timeout_s=health_timeout_s,
+            max_concurrent_requests=max_concurrency_per_engine * len(engine_urls),
+        )
+        self.last_samples: list[Sample] = []
+        """The samples of the latest `generate`, in batch order (weight versions, text, metadata)."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="clawrl-rollout-loop", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------------
+    # setup
+
+    def _load_plugins(self) -> None:
+        r = self.job.rollout
+        self.rollout_fn = (
+            load_function(r.rollout_function_path, ROLLOUT_FLAG) if r.rollout_function_path else None
+        )
+        self.filter_fn = (
+            load_function(r.dynamic_sampling_filter_path, FILTER_FLAG)
+            if r.dynamic_sampling_filter_path
+            else None
+        )
+        self.reward_fn = None
+        if r.rm_type or r.custom_rm_path:
+            self.reward_fn = build_reward_fn(
+                rm_type=r.rm_type,
+                custom_rm_path=r.custom_rm_path,
+                rm_url=r.rm_url,
+                reward_key=r.reward_key,
+                args=self.args,
+            )
+        elif self.rollout_fn is None and r.custom_generate_function_path is None:
+            raise ValueError("no reward function configured: pass --rm-type or --custom-rm-path")
+        self.generator = GroupGenerator(
+            args=self.args,
+            generate_fns=GenerateFunctions(r.custom_generate_function_path),
+            reward_fn=self.reward_fn,
+        )
+        over = r.over_sampling_batch_size or r.rollout_batch_size
+        if over < r.rollout_batch_size:
+            raise ValueError(
+                f"--over-sampling-batch-size {over} must be >= --rollout-batch-size {r.rollout_batch_size}"
+            )
+        self.over_sampling_batch_size = over
+
+    def _dataset(self, path: str) -> PromptDataset:
+        d = self.job.data
+        return PromptDataset(
+            path,
+            self.tokenizer,
+            input_key=d.input_key,
+            label_key=d.label_key,
+            metadata_key=d.metadata_key,
+            tool_key=d.tool_key,
+            apply_chat_template=d.apply_chat_template,
+            max_prompt_len=d.rollout_max_prompt_len,
+        )
+
+    def _train_source(self) -> PromptSource | None:
+        d = self.job.data
+        if d.prompt_data is None:
+            if self.rollout_fn is None:
+                raise ValueError(
+                    "--prompt-data is required (unset) unless --rollout-function-path makes prompts"
+                )
+            return None
+        return PromptSource(
+            self._dataset(d.prompt_data), shuffle=d.rollout_shuffle, seed=self.job.rollout.rollout_seed
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    # public API (blocking, each with a deadline)
+
+    def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
+        """One rollout: (TrainBatch of --rollout-batch-size x --n-samples-per-prompt samples, metrics)."""
+        return self._run(self._generate(rollout_id), f"generate(rollout_id={rollout_id})")
+
+    def eval(self, rollout_id: int) -> dict[str, float]:
+        """Evaluate on every --eval-prompt-data dataset: {"eval/<name>": mean reward, ...}."""
+        return self._run(self._eval(rollout_id), f"eval(rollout_id={rollout_id})")
+
+    def check_health(self) -> dict[str, dict[str, Any]]:
+        """GET /health_generate on every engine within the router's deadline; EngineHealthError if any is dead."""
+        return self._run(self.router.check_health(), "check_health()")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data cursor (and buffered groups) as plain types."""
+        return {"data_source": self.data_source.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "data_source" not in state:
+            raise ValueError(f"rollout manager state needs 'data_source'; got keys {sorted(state)}")
+        self.data_source.load_state_dict(state["data_source"])
+
+    def close(self) -> None:
+        """Close the HTTP clients and stop the event loop thread."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._run(self._aclose(), "close()", timeout_s=30.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30.0)
+            self._loop.close()
+
+    async def _aclose(self) -> None:
+        await self.router.aclose()
+        if self.reward_fn is not None:
+            await self.reward_fn.aclose()
+
+    def __enter__(self) -> RolloutManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------
+    # running coroutines on the manager's loop
+
+    def _run(self, coroutine: Coroutine[Any, Any, Any], what: str, timeout_s: float | None = None) -> Any:
+        timeout_s = self.rollout_timeout_s if timeout_s is None else timeout_s
+        future = asyncio.run_coroutine_threadsafe(_with_deadline(coroutine, timeout_s, what), self._loop)
+        try:
+            # Margin: after the deadline the rollout still aborts its leftover requests (abort_timeout_s).
+            return future.result(timeout=timeout_s + self.abort_timeout_s + 30.0)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"RolloutManager.{what} did not return within {timeout_s} s") from None
+
+    def _context(self) -> RolloutContext:
+        return RolloutContext(
+            router=self.router,
+            tokenizer=self.tokenizer,
+            loop=self._loop,
+            call_timeout_s=self.rollout_timeout_s,
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    # training rollout
+
+    async def _generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
+        started = time.monotonic()
+        ctx = self._context()
+        token = set_rollout_context(ctx)
+        try:
+            if self.rollout_fn is not None:
+                result = await call_rollout_fn(
+                    self.rollout_fn, self.args, rollout_id, self.data_source, False
+                )
+                groups, extra = train_output(result, self.job.rollout.rollout_function_path)
+                drops, num_aborted = {}, 0
+                producer = f"{ROLLOUT_FLAG} {self.job.rollout.rollout_function_path!r}"
+            else:
+                collected = await self._collect(ctx)
+                groups, extra = collected.groups, {}
+                drops, num_aborted = collected.drops, collected.num_aborted_samples
+                producer = self.generator.generate_fns.default.flag
+        finally:
+            reset_rollout_context(token)
+        batch, raw_rewards, groups = self._to_batch(rollout_id, groups, producer)
+        self.last_samples = [s for g in groups for s in g]
+        metrics = rollout_metrics(
+            groups,
+            raw_rewards,
+            estimator=self.job.algo.advantage_estimator,
+            drops=drops,
+            num_aborted_samples=num_aborted,
+            rollout_time_s=time.monotonic() - started,
+            num_rollout_devices=self.num_rollout_devices,
+        )
+        return batch, {**metrics, **extra}
+
+    async def _collect(self, ctx: RolloutContext):
+        r = self.job.rollout
+        params = train_sampling_params(self.args)
+        return await collect_train_groups(
+            target=r.rollout_batch_size,
+            over_sampling=self.over_sampling_batch_size,
+            get_groups=self.data_source.get_samples,
+            run_group=lambda group: self.generator.group(group, params, evaluation=False),
+            judge=self._judge,
+            ctx=ctx,
+            abort_timeout_s=self.abort_timeout_s,
+        )
+
+    def _judge(self, group: list[Sample]) -> DynamicFilterOutput:
+        if self.filter_fn is None:
+            return DynamicFilterOutput(keep=True)
+        return apply_filter(self.filter_fn, self.job.rollout.dynamic_sampling_filter_path, self.args, group)
+
+    def _to_batch(
+        self, rollout_id: int, groups: list[list[Sample]], producer: str
+    ) -> tuple[TrainBatch, list[float], list[list[Sample]]]:
+        if all(g[0].index is not None for g in groups):
+            groups = sorted(groups, key=lambda g: g[0].index)
+        samples = [s for g in groups for s in g]
+        check_rollout_samples(samples, producer)
+        for s in samples:
+            s.rollout_id = rollout_id if s.rollout_id is None else s.rollout_id
+        raw = [s.get_reward_value(self.job.rollout.reward_key) for s in samples]
+        rewards = self._post_process(raw, groups)
+        return TrainBatch.from_samples(rollout_id, samples, rewards, raw), raw, groups
+
+    def _post_process(self, raw: list[float], groups: list[list[Sample]]) -> list[float]:
+        a = self.job.algo
+        sizes = sorted({len(g) for g in groups})
+        grouped = a.advantage_estimator == "rloo" or (
+            a.rewards_normalization and a.advantage_estimator not in _UNGROUPED_ESTIMATORS
+        )
+        if grouped and len(sizes) > 1:
+            raise ValueError(
+                f"--advantage-estimator {a.advantage_estimator} normalises rewards per prompt group, but the "
+                f"rollout's groups have different sizes {sizes}; make every group the same size"
+            )
+        rewards = postprocess_rewards(
+            a.advantage_estimator,
+            torch.tensor(raw, dtype=torch.float64),
+            sizes[0],
+            rewards_normalization=a.rewards_normalization,
+            grpo_std_normalization=a.grpo_std_normalization,
+        )
+        return rewards.tolist()
+
+    # ------------------------------------------------------------------------------------------------
+    # evaluation
+
+    async def _eval(self, rollout_id: int) -> dict[str, float]:
+        ctx = self._context()
+        token = set_rollout_context(ctx)
+        try:
+            if self.rollout_fn is not None:
+                result = await call_rollout_fn(self.rollout_fn, self.args, rollout_id, self.data_source, True)
+                data, extra = eval_output(result, self.job.rollout.rollout_function_path)
+            else:
+                names = list(self.eval_datasets)
+                results = await asyncio.gather(*(self._eval_dataset(name) for name in names))
+                data, extra = dict(zip(names, results, strict=True)), {}
+        finally:
+            reset_rollout_context(token)
+        metrics: dict[str, float] = {}
+        for name, entry in data.items():
+            metrics.update(eval_metrics(name, entry))
+        return {**metrics, **extra}
+
+    async def _eval_dataset(self, name: str) -> dict[str, Any]:
+        samples = await generate_eval_samples(
+            self.generator,
+            self.eval_datasets[name].samples,
+            self.job.eval.n_samples_per_eval_prompt,
+            eval_sampling_params(self.args),
+            seed=self.job.rollout.rollout_seed,
+        )
+        finished = [s for s in samples if s.status != Status.ABORTED]
+        if len(finished) < len(samples):
+            logger.warning("eval %s: %d of %d samples were aborted by the engines and are not scored",
+                           name, len(samples) - len(finished), len(samples))  # fmt: skip
+        return {
+            "rewards": [s.get_reward_value(self.job.rollout.reward_key) for s in finished],
+            "truncated": [s.status == Status.TRUNCATED for s in finished],
+            "samples": finished,
+        }
+
+
+async def _with_deadline(coroutine: Coroutine[Any, Any, Any], timeout_s: float, what: str) -> Any:
+    """Run `coroutine`; past `timeout_s` cancel it (letting it clean up) and raise one clear TimeoutError."""
+    task = asyncio.ensure_future(coroutine)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # its cleanup aborts leftover requests
+    raise TimeoutError(f"RolloutManager.{what} did not finish within {timeout_s} s (rollout_timeout_s)")
+
+
+def _num_devices(num_rollout_gpus: int | None, job: Any, engine_urls: list[str]) -> int:
+    """Devices that generated, for perf/tokens_per_gpu_per_sec; CPU engines count one each."""
+    if num_rollout_gpus is None:
+        num_rollout_gpus = job.resources.rollout_num_gpus
+    return num_rollout_gpus if num_rollout_gpus else max(len(engine_urls), 1)
+
+
+def _load_tokenizer(path: str | None) -> Any:
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"cannot load the tokenizer from {path!r} (--hf-checkpoint / tokenizer_path): {error}"
+        ) from None
