@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,6 +240,11 @@ class AsyncEngine:
         return await self._call("update_weights_from_tensors", named_tensors=named_tensors,
                                 weight_version=weight_version)  # fmt: skip
 
+    async def run_in_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread between steps and return its result (weight sync loads buckets
+        this way: the core must never be touched while it steps). ValueErrors become RequestErrors."""
+        return await self._call("call", fn=fn)
+
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Free KV cache and/or weights (tags None: all). Refused while requests are in flight."""
         await self._call("release", tags=_check_tags(tags))
@@ -387,6 +392,9 @@ class AsyncEngine:
 
     def _cmd_update_weights_from_tensors(self, named_tensors: Any, weight_version: str | None) -> str:
         return str(self.engine.update_weights_from_tensors(named_tensors, weight_version=weight_version))
+
+    def _cmd_call(self, fn: Callable[[], Any]) -> Any:
+        return fn()
 
     def _cmd_release(self, tags: list[str] | None) -> None:
         if self._live:

@@ -174,6 +174,43 @@ class _Routes:
             "POST", "/abort_request", _drop_none({"rid": rid, "abort_all": abort_all}), timeout=timeout
         )
 
+    # --- weight sync (clawrl/weight_sync/; wire formats in colocated.py and broadcast.py) ---
+
+    def update_weights_from_tensor(self, *, transport: str, names: list[str], dtypes: list[str],
+                                   shapes: list[list[int]], handles: list[dict], finish: bool = False,
+                                   weight_version: str | None = None, timeout: float | None = None) -> Any:  # fmt: skip
+        """POST /update_weights_from_tensor: load a bucket passed by shared-memory / CUDA IPC handles;
+        finish=True ends the sync (version flip, prefix-cache flush, generation continues)."""
+        body = {"transport": transport, "names": names, "dtypes": dtypes, "shapes": shapes, "handles": handles,
+                "finish": finish, "weight_version": weight_version}  # fmt: skip
+        return self._call("POST", "/update_weights_from_tensor", body, timeout=timeout)
+
+    def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str = "gloo",
+                                  timeout_s: float = 120.0, timeout: float | None = None) -> Any:  # fmt: skip
+        """POST /init_weights_update_group: join the trainer's broadcast group (returns once formed)."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s}  # fmt: skip
+        return self._call("POST", "/init_weights_update_group", body, timeout=timeout)
+
+    def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, finish: bool = False, weight_version: str | None = None,
+                                        timeout: float | None = None) -> Any:  # fmt: skip
+        """POST /update_weights_from_distributed: receive a bucket broadcast by rank 0 and load it."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "finish": finish,
+                "weight_version": weight_version}  # fmt: skip
+        return self._call("POST", "/update_weights_from_distributed", body, timeout=timeout)
+
+    def destroy_weights_update_group(self, *, group_name: str, timeout: float | None = None) -> Any:
+        """POST /destroy_weights_update_group: leave a broadcast group."""
+        return self._call(
+            "POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout
+        )
+
+    def weights_checksum(self, *, timeout: float | None = None) -> Any:
+        """GET /weights_checksum -> {"weight_version": str, "checksums": {HF name: sha256}}."""
+        return self._call("GET", "/weights_checksum", timeout=timeout)
+
 
 class EngineClient(_Routes):
     """Synchronous client (httpx); usable as a context manager."""

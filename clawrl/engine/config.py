@@ -33,8 +33,15 @@ class EngineConfig:
     """Longest prompt + output; None takes the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of earlier requests with the same token prefix (same weight version only)."""
-    enable_cuda_graph: bool = False
-    """Capture decode steps in CUDA graphs (GPU path, not built yet: accepted and ignored for now)."""
+    enable_cuda_graph: bool = True
+    """CUDA: replay decode steps from CUDA graphs captured at start-up per batch size (ignored on CPU)."""
+    fused_kernels: bool = True
+    """CUDA: fused Triton norm / RoPE+KV-write / SiLU kernels in the forward (False: the model's torch ops;
+    attention is Triton either way). Ignored on CPU."""
+    enable_overlap_schedule: bool = False
+    """Launch step t + 1 before step t's tokens are back, so scheduling and output processing on the CPU
+    overlap the GPU's work (SGLang's overlap schedule). step() then returns each step's outputs one call
+    later, and a sequence that stops computes one extra, discarded token."""
     seed: int = 0
     """Seed of the engine's generator that seeds requests which carry no seed of their own."""
 

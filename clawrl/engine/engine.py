@@ -28,11 +28,11 @@ from clawrl.engine.checks import check_request, check_same_shapes, context_lengt
 from clawrl.engine.config import EngineConfig
 from clawrl.engine.detokenizer import IncrementalDetokenizer
 from clawrl.engine.kv_cache import build_kv_cache
-from clawrl.engine.model_runner import ModelRunner
-from clawrl.engine.sampler import make_generator, sequence_seed
+from clawrl.engine.model_runner import make_model_runner
+from clawrl.engine.sampler import sequence_seed
 from clawrl.engine.sampling_params import SamplingParams
 from clawrl.engine.scheduler import Scheduler
-from clawrl.engine.sequence import Sequence, SequenceStatus
+from clawrl.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from clawrl.engine.step_output import StepOutput
 from clawrl.engine.stop_checker import stop_reason
 from clawrl.models.config import load_model_args
@@ -43,7 +43,7 @@ MEMORY_TAGS = ("kv_cache", "weights")
 
 
 class Engine:
-    """Continuous-batching engine over a paged KV cache (CPU fp32 path; see ENGINE_API.md)."""
+    """Continuous-batching engine over a paged KV cache (CPU reference path; CUDA: gpu_runner.py)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -61,7 +61,8 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.runner = make_model_runner(config, self.model, self.kv_cache, context_length=self.context_length)
+        self.runner.capture_cuda_graphs()  # CUDA: compile the kernels and capture decode graphs now
         self.weight_version = "0"
         self.eos_token_ids = set(self.model_args.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -71,6 +72,8 @@ class Engine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._released: set[str] = set()
+        self._overlap = config.enable_overlap_schedule
+        self._inflight: tuple | None = None  # (batch, runner handle) of the launched step (overlap schedule)
 
     @property
     def num_preemptions(self) -> int:
@@ -106,15 +109,19 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         """True while a sequence waits or runs, or outputs are still to be returned by step()."""
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     def step(self) -> list[StepOutput]:
-        """Run one scheduler step; returns the outputs it produced (and any pending aborts)."""
+        """Run one scheduler step; returns the outputs it produced (and any pending aborts).
+
+        With `enable_overlap_schedule` it launches the next step first and returns the outputs of the
+        step launched by the previous call (see `_overlap_step`)."""
         outputs, self._pending = self._pending, []
+        if self._overlap:
+            return outputs + self._overlap_step()
         if not self.scheduler.has_unfinished():
             return outputs
-        if self._released:
-            raise RuntimeError(f"Engine.step(): memory {sorted(self._released)} is released; resume it first")
+        self._check_not_released()
         batch = self.scheduler.schedule()
         assert not batch.is_empty, "unfinished sequences but nothing schedulable"
         seqs, tokens, logprobs = self.runner.run(batch)
@@ -122,6 +129,14 @@ class Engine:
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.output_token_ids.append(token)
             seq.output_logprobs.append(logprob)
+        return outputs + self._apply_stop_rules(seqs, tokens, logprobs)
+
+    def _apply_stop_rules(
+        self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]
+    ) -> list[StepOutput]:
+        """Finish sequences whose newly appended token stops them; one output per sequence."""
+        outputs = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             reason = stop_reason(
                 seq, token, eos_token_ids=self.eos_token_ids, context_length=self.context_length
             )
@@ -129,6 +144,62 @@ class Engine:
                 self._finish(seq, reason, emit=False)
             outputs.append(self._output(seq, [token], [logprob]))
         return outputs
+
+    def _overlap_step(self) -> list[StepOutput]:
+        """Schedule and launch step t + 1, then wait for step t (launched by the previous call) and return its
+        outputs: the GPU computes t + 1 while this thread processes t and the caller consumes the outputs.
+
+        Step t's sampled tokens are still on the device when t + 1 is scheduled, so each sampling sequence of
+        t carries a PENDING_TOKEN as its last output token meanwhile (the runner feeds the real id to t + 1
+        on the device). A sequence that stops at t has already been scheduled for t + 1: that token is
+        dropped. The next step is only postprocessed (counts, prefix-cache publication, which hashes its
+        input tokens) once t's tokens are known."""
+        previous, self._inflight = self._inflight, None
+        if self.scheduler.has_unfinished():
+            self._check_not_released()
+            batch = self.scheduler.schedule()
+            if not batch.is_empty:  # empty when every running sequence only awaits its final token
+                self._inflight = (batch, self.runner.launch(batch))
+        outputs = self._collect(previous) if previous is not None else []
+        if self._inflight is not None:
+            batch, handle = self._inflight
+            self.scheduler.postprocess(batch)
+            for seq in handle.seqs:
+                if not seq.is_finished:
+                    seq.output_token_ids.append(PENDING_TOKEN)
+                    seq.output_logprobs.append(float("nan"))
+        return outputs
+
+    def _collect(self, inflight: tuple) -> list[StepOutput]:
+        """Fill in the PENDING_TOKENs of a launched step and apply the stop rules."""
+        seqs, tokens, logprobs = self.runner.collect(inflight[1])
+        live = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            has_placeholder = bool(seq.output_token_ids) and seq.output_token_ids[-1] == PENDING_TOKEN
+            if seq.is_finished:  # stopped or aborted while this step ran: its token is dropped
+                if has_placeholder:
+                    seq.output_token_ids.pop()
+                    seq.output_logprobs.pop()
+                continue
+            assert has_placeholder, "a launched sequence's sampled token has no placeholder"
+            seq.output_token_ids[-1], seq.output_logprobs[-1] = token, logprob
+            live.append((seq, token, logprob))
+        return self._apply_stop_rules(*map(list, zip(*live, strict=True))) if live else []
+
+    def _drain(self) -> None:
+        """Wait for the launched step (overlap schedule) and queue its outputs for the next step() call."""
+        if self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            self._pending += self._collect(previous)
+
+    def set_overlap_schedule(self, enabled: bool) -> None:
+        """Switch EngineConfig.enable_overlap_schedule between steps (the launched step is collected first)."""
+        self._drain()
+        self._overlap = enabled
+
+    def _check_not_released(self) -> None:
+        if self._released:
+            raise RuntimeError(f"Engine.step(): memory {sorted(self._released)} is released; resume it first")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
         """Run prompts to completion. One dict per sample (prompt order, then index): output_ids, logprobs,
@@ -144,11 +215,15 @@ class Engine:
             keys += [(f"{prefix}-{i}", index) for index in range(p.n)]
         while self.has_unfinished_requests():
             for out in self.step():
-                result = results.setdefault((out.request_id, out.index), _empty_result(out.index))
+                key = (out.request_id, out.index)
+                result = results.get(key)
+                if result is None:
+                    result = results[key] = _empty_result(out.index)
                 result["output_ids"] += out.token_ids
                 result["logprobs"] += out.logprobs
-                result.update(finish_reason=out.finish_reason, weight_version=out.weight_version)
-                result.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
+                if out.finished:  # every sample ends with one finished output; it carries the final fields
+                    result.update(finish_reason=out.finish_reason, weight_version=out.weight_version)
+                    result.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
         return [results[key] for key in keys]
 
     # -- weights and memory -----------------------------------------------------------------------------
@@ -161,6 +236,15 @@ class Engine:
         load_weights(self.model, named_tensors, strict=False)
         return self._bump_version(weight_version)
 
+    def load_weight_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of a multi-bucket weight sync; the version stays until set_weight_version."""
+        self._before_weight_update()
+        load_weights(self.model, named_tensors, strict=False)
+
+    def set_weight_version(self, weight_version: str | None = None) -> str:
+        """End a weight sync: take `weight_version` (None: bump) and flush the prefix cache."""
+        return self._bump_version(weight_version)
+
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
         """Load every weight of the HF checkpoint at `model_path`, bump the version, flush the cache."""
         files = safetensors_weight_map(model_path)  # raises ValueError naming the directory
@@ -171,6 +255,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Forget the prefix cache; False (nothing done) while requests are unfinished."""
+        self._drain()
         if self.scheduler.has_unfinished():
             return False
         self.scheduler.block_manager.flush()
@@ -179,10 +264,12 @@ class Engine:
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Free the KV cache and/or move the weights off the accelerator (tags: "kv_cache", "weights")."""
         tags = self._check_tags(tags)
+        self._drain()
         if self.scheduler.has_unfinished():
             raise RuntimeError(
                 "release_memory_occupation: requests are unfinished; abort or finish them first"
             )
+        self.runner.invalidate_cuda_graphs()  # frees their memory pool; recaptured after resume
         if "kv_cache" in tags:
             self.kv_cache.release()
             self.scheduler.block_manager.flush()  # the cached K/V are gone
@@ -197,6 +284,7 @@ class Engine:
             self.kv_cache.resume()
         if "weights" in tags and self.device.type != "cpu":
             self.model.to(self.device)
+        self.runner.invalidate_cuda_graphs()  # they point at the old KV-cache / weight memory
         self._released -= set(tags)
 
     # -- internals --------------------------------------------------------------------------------------
@@ -209,7 +297,7 @@ class Engine:
             seq = Sequence(
                 seq_id=next(self._seq_ids), request_id=request_id, index=index, prompt_token_ids=prompt,
                 params=params, leader=seqs[0] if seqs else None,
-                sampler_state=make_generator(sequence_seed(seed, index), self.device),
+                sampler_state=sequence_seed(seed, index),
             )  # fmt: skip
             if params.stop:
                 seq.detokenizer = IncrementalDetokenizer(
@@ -234,6 +322,8 @@ class Engine:
         )  # fmt: skip
 
     def _before_weight_update(self) -> None:
+        # The launched step (overlap schedule) reads the weights being replaced: let it finish first.
+        self._drain()
         # Running sequences hold K/V of the old weights: retract them (recomputed later with the new ones).
         self.scheduler.preempt_all()
         # Flushed before loading: if loading fails half-way, no K/V of either weights can be reused.

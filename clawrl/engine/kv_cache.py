@@ -1,10 +1,13 @@
 """KVCache: the paged K/V tensors, one pair per layer, each [num_blocks, block_size, Hkv, D].
 
-Sizing: an explicit `num_kv_blocks`, or on CUDA what `mem_fraction_static` of the device leaves after the
-weights (SGLang's meaning: weights + KV cache take that fraction; activations live in the rest), or on CPU
-`cpu_kv_cache_gib`. `release()` drops the tensors (colocated training needs the memory back) and
-`resume()` allocates them again with the same shape; the contents are lost, so the prefix cache must be
-flushed by the caller.
+Sizing: an explicit `num_kv_blocks`, or on CUDA what `mem_fraction_static` of the device's total memory
+leaves after everything already in use (SGLang's meaning: weights + KV cache take that fraction; activations
+and CUDA graphs live in the rest), or on CPU `cpu_kv_cache_gib`. `release()` drops the tensors (colocated
+training needs the memory back) and `resume()` allocates them again with the same shape; the contents are
+lost, so the prefix cache must be flushed by the caller.
+
+Each tensor holds one block more than `num_blocks`: a scratch block the block manager never hands out. The
+GPU path pads a batch to a CUDA-graph size with dummy tokens whose K/V go to `scratch_slot`.
 """
 
 from __future__ import annotations
@@ -37,12 +40,17 @@ class KVCache:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.block_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)  # + the scratch block
         self.dtype = dtype
         self.device = torch.device(device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.resume()
+
+    @property
+    def scratch_slot(self) -> int:
+        """A slot outside every sequence's blocks (in the extra block): padding tokens write there."""
+        return self.num_blocks * self.block_size
 
     @property
     def is_allocated(self) -> bool:
@@ -89,13 +97,15 @@ def plan_num_blocks(
     if num_kv_blocks is not None:
         return num_kv_blocks
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        budget = total * mem_fraction_static - torch.cuda.memory_allocated(device)
+        # SGLang's rule: everything in use on the device (our weights, other processes) counts against
+        # the fraction; what is left of it becomes KV cache.
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - total * (1.0 - mem_fraction_static)
         flag = f"mem_fraction_static={mem_fraction_static}"
     else:
         budget = cpu_kv_cache_gib * _GIB
         flag = f"cpu_kv_cache_gib={cpu_kv_cache_gib}"
-    num_blocks = int(budget // block_bytes)
+    num_blocks = int(budget // block_bytes) - 1  # one block of the budget is the scratch block
     if num_blocks < 1:
         raise ValueError(f"EngineConfig.{flag} leaves no room for a KV-cache block of {block_bytes} bytes")
     return num_blocks

@@ -9,9 +9,12 @@ its slots. Query i of a sequence with n new tokens sits at position C - n + i an
 The math is torch's scaled_dot_product_attention, per sequence, in the model's dtype (fp32 on CPU); a
 sequence computed from position 0 uses `is_causal=True`, the same call the trainer's varlen path makes.
 
-The GPU path (not built yet) replaces the per-sequence loop with a batched paged-decode kernel and a varlen
-prefill over the gathered context; `PagedBatch` already carries what those need except device-side block
-tables, which the GPU path will add as fixed-size tensors for CUDA graphs.
+`TritonPagedAttention` is the GPU backend (gpu_runner.py): no per-sequence loop, the Triton kernels of
+triton_attention.py read K/V through device-side block tables — one decode kernel (a query per sequence,
+CUDA-graph friendly: every layout tensor has the padded batch's fixed shape) or one prefill kernel (chunks
+of new tokens after a cached prefix, decode tokens mixed in). Its `attend` is for the fused forward, which
+has already written the step's K/V into the cache (triton_ops.rotary_cache_write); `forward` is the model's
+AttentionBackend protocol and writes them itself first.
 """
 
 from __future__ import annotations
@@ -90,3 +93,68 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mas
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.transpose(0, 1)
+
+
+@dataclass(kw_only=True)
+class TritonBatch:
+    """Attention layout of one GPU step (device tensors, built once and used by every layer)."""
+
+    slot_mapping_N: torch.Tensor
+    """Cache slot of each new token, LongTensor [N] (padding rows: the cache's scratch slot)."""
+    block_tables: torch.Tensor
+    """Block ids of each sequence's positions, IntTensor [S, W] (W >= blocks of the longest context)."""
+    ctx_lens: torch.Tensor
+    """Context length of each sequence after this step (cached + new tokens), LongTensor [S]; 0 = padding."""
+    query_start: torch.Tensor | None = None
+    """Prefill only: start of each sequence's new tokens in the flat batch, plus N: LongTensor [S + 1]."""
+    tile_seq: torch.Tensor | None = None
+    """Prefill only: sequence of each tile of new tokens (triton_attention.plan_prefill_tiles), [tiles]."""
+    tile_first: torch.Tensor | None = None
+    """Prefill only: index of each tile's first new token within its sequence, [tiles]."""
+    num_splits: int = 1
+    """Decode only: split-K factor (triton_attention.decode_num_splits of the padded batch size)."""
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence (the CUDA-graph case)."""
+        return self.query_start is None
+
+
+class TritonPagedAttention:
+    """GPU AttentionBackend over a KVCache with the Triton kernels; call `begin(batch)` before each forward."""
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+        self.batch: TritonBatch | None = None
+
+    def begin(self, batch: TritonBatch) -> None:
+        """Set the layout of the next forward."""
+        self.batch = batch
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] (post-RoPE) -> [N, Hq, D]; writes k/v into the cache first."""
+        batch = self.batch
+        assert batch is not None, "TritonPagedAttention.begin() must be called before the forward"
+        k_cache = self.kv_cache.k[layer_idx].flatten(0, 1)
+        v_cache = self.kv_cache.v[layer_idx].flatten(0, 1)
+        k_cache.index_copy_(0, batch.slot_mapping_N, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.slot_mapping_N, v.to(v_cache.dtype))
+        return self.attend(layer_idx, q, scale)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [N, Hq, D] against the cache, whose K/V for this step are already written -> [N, Hq, D]."""
+        from clawrl.engine.triton_attention import paged_decode_attention, paged_prefill_attention
+
+        batch = self.batch
+        assert batch is not None, "TritonPagedAttention.begin() must be called before the forward"
+        k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
+        if batch.is_decode:
+            return paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.ctx_lens, scale, num_splits=batch.num_splits
+            )
+        return paged_prefill_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.query_start, batch.ctx_lens,
+            batch.tile_seq, batch.tile_first, scale,
+        )  # fmt: skip

@@ -1,29 +1,43 @@
-"""Sampler: next tokens and their logprobs from last-position logits, one torch.Generator per sequence.
+"""Sampler: next tokens and their logprobs from last-position logits, with counter-based (hash) noise.
 
 Shapes: M = sequences sampling this step, V = vocabulary.
 
 Token choice
-- temperature 0: argmax (greedy). Otherwise the temperature-scaled distribution p = softmax(logits / T) is
-  filtered like SGLang's sampler, each filter judged on the *unfiltered* p: top_k keeps the k most likely
-  tokens, top_p keeps a token while the mass of the tokens ranked before it is <= top_p (so at least one
-  survives), min_p keeps tokens with p >= min_p * max(p). A filter whose value turns it off is not applied,
-  so a row never depends on which other rows are in the batch.
-- The sample is an exponential race, argmax_i(p_i / E_i) with E_i ~ Exp(1) drawn from the sequence's own
-  generator: it is distributed as the renormalised filtered p, and the random numbers a sequence consumes
-  depend only on its own seed and step count, not on the batch (seeded sampling is batch-invariant).
+- temperature 0: argmax (greedy; ties to the lowest id). Otherwise the temperature-scaled distribution
+  p = softmax(logits / T) is filtered like SGLang's sampler, each filter judged on the *unfiltered* p: top_k
+  keeps the k most likely tokens, top_p keeps a token while the mass of the tokens ranked before it is
+  <= top_p (so at least one survives), min_p keeps tokens with p >= min_p * max(p). A filter whose value turns
+  it off is not applied, so a row never depends on which other rows are in the batch.
+- The sample is a Gumbel-max draw, argmax_i(logits_i / T + g_i) over the kept tokens, which is distributed as
+  the renormalised filtered p. The noise g_i = -log(-log(u_i)) comes from a counter-based hash, not from a
+  generator's stream: u_i = hash(row key, i), row key = hash(sequence seed, number of tokens the sequence
+  has generated so far). So a seeded sequence draws the same noise whatever else is in the batch, after a
+  preemption, and on any device (CPU and the GPU kernel in triton_ops.py compute the same bits; the tokens
+  then agree wherever the logits do). Nothing per sequence is stored but its seed.
+
+  hash = lowbias32 (x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16, mod 2^32);
+  row key = h(h(h(seed_lo) ^ seed_hi) ^ step); u_i = ((h(key ^ i) >> 8) | 1) / 2^24, in (0, 1) exactly.
 
 Logprob returned for the chosen token (decision 7): log softmax(logits / T) in fp32, under the temperature-
 scaled distribution *before* top-k / top-p / min-p filtering, because that is what the trainer recomputes
 from its own logits divided by the rollout temperature. Greedy rows report log softmax(logits) (T = 1).
+
+On CUDA (`fused=True`) greedy and plain-temperature rows are handled by one Triton pass over the logits
+(`triton_ops.sample_rows`); rows with top-k / top-p / min-p go through the torch code below.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from clawrl.engine.sampling_params import SamplingParams
 
-_SEED_MASK = (1 << 63) - 1  # torch generators take seeds up to 2**64 - 1; stay clear of the sign bit
+_SEED_MASK = (1 << 63) - 1
+_M32 = 0xFFFFFFFF
+_MUL_A, _MUL_B = 0x7FEB352D, 0x846CA68B
 
 
 def sequence_seed(request_seed: int, index: int) -> int:
@@ -32,45 +46,143 @@ def sequence_seed(request_seed: int, index: int) -> int:
     return (request_seed + index * 0x9E3779B97F4A7C15) & _SEED_MASK
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A fresh generator on `device`, seeded."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+def _mix32_numpy(x: np.ndarray) -> np.ndarray:
+    """lowbias32 on uint64 arrays holding 32-bit values (uint64 products wrap mod 2^64, low bits exact)."""
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(_MUL_A)) & np.uint64(_M32)
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(_MUL_B)) & np.uint64(_M32)
+    return x ^ (x >> np.uint64(16))
+
+
+def sampling_keys(seeds: Sequence[int], steps: Sequence[int]) -> np.ndarray:
+    """Row keys (32-bit values in int64) from each sequence's seed and its count of generated tokens."""
+    seed = np.array(seeds, dtype=np.uint64)
+    key = _mix32_numpy(seed & np.uint64(_M32))
+    key = _mix32_numpy(key ^ (seed >> np.uint64(32)))
+    key = _mix32_numpy(key ^ (np.array(steps, dtype=np.uint64) & np.uint64(_M32)))
+    return key.astype(np.int64)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2^32 for int64 x < 2^32, without int64 overflow (16-bit halves of the constant)."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _M32
+
+
+def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MUL_A)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MUL_B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys_R: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [R, V] fp32 of rows with hash keys `keys_R` (int64) — the kernel's exact bits."""
+    token_ids = torch.arange(vocab, dtype=torch.int64, device=keys_R.device)
+    bits = _mix32_torch(keys_R.unsqueeze(1) ^ token_ids.unsqueeze(0))
+    uniform = ((bits >> 8) | 1).to(torch.float32) * (1.0 / 16777216.0)
+    return -torch.log(-torch.log(uniform))
 
 
 def sample(
-    logits_MV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row and return (token ids, logprobs) as Python lists (module docstring)."""
-    logits_MV = logits_MV.float()
-    num_rows = logits_MV.shape[0]
-    assert len(params) == num_rows == len(generators)
+    logits_MV: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: Sequence[int],
+    steps: Sequence[int],
+    *,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row (module docstring): (token ids int64 [M], logprobs fp32 [M]) on logits' device.
+
+    `seeds` are the sequences' seeds, `steps` how many tokens each has generated so far. `fused` runs the
+    greedy and plain-temperature rows through the Triton kernel (CUDA, or the Triton interpreter in tests).
+    """
+    num_rows, vocab = logits_MV.shape
+    assert len(params) == num_rows == len(seeds) == len(steps)
     device = logits_MV.device
-    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    greedy_M = temperatures == 0.0
-    scaled_MV = logits_MV / torch.where(greedy_M, 1.0, temperatures).unsqueeze(1)
+    keys_M = _to(torch.from_numpy(sampling_keys(seeds, steps)), device)
+    temperatures_M = _to(torch.tensor([p.temperature for p in params], dtype=torch.float32), device)
+    if not fused:
+        return _sample_torch(logits_MV, params, temperatures_M, keys_M)
+    from clawrl.engine.triton_ops import sample_rows
+
+    tokens_M = torch.empty(num_rows, dtype=torch.int64, device=device)
+    logprobs_M = torch.empty(num_rows, dtype=torch.float32, device=device)
+    groups: dict[str, list[int]] = {"greedy": [], "plain": [], "filtered": []}
+    for i, p in enumerate(params):  # inlined _row_kind: this loop runs over the whole batch every step
+        if p.temperature == 0.0:
+            groups["greedy"].append(i)
+        elif 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0:
+            groups["filtered"].append(i)
+        else:
+            groups["plain"].append(i)
+    for kind in ("greedy", "plain"):
+        if groups[kind]:
+            rows = _index(groups[kind], num_rows, device)
+            sample_rows(logits_MV, rows, temperatures_M, keys_M, tokens_M, logprobs_M, sample=kind == "plain")
+    if groups["filtered"]:
+        rows = _index(groups["filtered"], num_rows, device)
+        tokens, logprobs = _sample_torch(
+            logits_MV[rows], [params[i] for i in groups["filtered"]], temperatures_M[rows], keys_M[rows]
+        )
+        tokens_M[rows], logprobs_M[rows] = tokens, logprobs
+    return tokens_M, logprobs_M
+
+
+def _row_kind(p: SamplingParams, vocab: int) -> str:
+    if p.temperature == 0.0:
+        return "greedy"
+    if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0:
+        return "filtered"
+    return "plain"
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without waiting: a blocking copy would wait for all GPU work queued before it."""
+    return host.to(device, non_blocking=True)
+
+
+def _index(rows: list[int], num_rows: int, device: torch.device) -> torch.Tensor:
+    # All rows: arange is built on the device without a host-to-device copy of a Python list.
+    if len(rows) == num_rows:
+        return torch.arange(num_rows, device=device)
+    return _to(torch.tensor(rows, dtype=torch.int64), device)
+
+
+def _sample_torch(
+    logits_MV: torch.Tensor, params: list[SamplingParams], temperatures_M: torch.Tensor, keys_M: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference implementation (CPU path, and filtered rows on CUDA)."""
+    logits_MV = logits_MV.float()
+    greedy_M = temperatures_M == 0.0
+    scaled_MV = logits_MV / torch.where(greedy_M, 1.0, temperatures_M).unsqueeze(1)
     logprobs_MV = torch.log_softmax(scaled_MV, dim=-1)
     tokens_M = logits_MV.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=device)
-        probs_RV = filtered_probs(logprobs_MV[rows].exp(), [params[i] for i in sampled_rows])
-        noise_RV = torch.stack([_exponential(probs_RV.shape[1], generators[i], device) for i in sampled_rows])
-        tokens_M[rows] = (probs_RV / noise_RV).argmax(dim=-1)
+        rows = _to(torch.tensor(sampled_rows), logits_MV.device)
+        scores_RV = scaled_MV[rows] + gumbel_noise(keys_M[rows], logits_MV.shape[1])
+        sampled_params = [params[i] for i in sampled_rows]
+        if any(_row_kind(p, logits_MV.shape[1]) == "filtered" for p in sampled_params):
+            keep_RV = filter_mask(logprobs_MV[rows].exp(), sampled_params)
+            scores_RV = scores_RV.masked_fill(~keep_RV, float("-inf"))
+        tokens_M[rows] = scores_RV.argmax(dim=-1)
     chosen_M = logprobs_MV.gather(1, tokens_M.unsqueeze(1)).squeeze(1)
-    return tokens_M.tolist(), chosen_M.tolist()
+    return tokens_M, chosen_M
 
 
-def filtered_probs(probs_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero the tokens that top_k / top_p / min_p remove (each judged on the unfiltered probs)."""
+def filter_mask(probs_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Bool [R, V]: the tokens top_k / top_p / min_p keep (each judged on the unfiltered probs)."""
     vocab = probs_RV.shape[1]
     device = probs_RV.device
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    top_k = _to(torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]), device)
+    top_p = _to(torch.tensor([p.top_p for p in params], dtype=torch.float32), device)
+    min_p = _to(torch.tensor([p.min_p for p in params], dtype=torch.float32), device)
     keep_RV = torch.ones_like(probs_RV, dtype=torch.bool)
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+    if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
         sorted_RV, order_RV = probs_RV.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
         keep_sorted_RV = ranks < top_k.unsqueeze(1)
@@ -78,13 +190,12 @@ def filtered_probs(probs_RV: torch.Tensor, params: list[SamplingParams]) -> torc
         # Rows with top_p == 1 skip the test: rounding can push mass_before above 1.0 in the tail.
         keep_sorted_RV &= (mass_before_RV <= top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1.0)
         keep_RV = torch.zeros_like(keep_RV).scatter(1, order_RV, keep_sorted_RV)
-    if bool((min_p > 0.0).any()):
+    if any(p.min_p > 0.0 for p in params):
         threshold_R = probs_RV.max(dim=-1).values * min_p
         keep_RV &= probs_RV >= threshold_R.unsqueeze(1)
-    return probs_RV * keep_RV
+    return keep_RV
 
 
-def _exponential(size: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    noise = torch.empty(size, dtype=torch.float32, device=device).exponential_(generator=generator)
-    # A draw of exactly 0 would turn a filtered token's 0 / 0 into NaN, which argmax would pick.
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+def filtered_probs(probs_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero the tokens that top_k / top_p / min_p remove (each judged on the unfiltered probs)."""
+    return probs_RV * filter_mask(probs_RV, params)

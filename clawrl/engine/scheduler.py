@@ -87,8 +87,13 @@ class Scheduler:
         return batch
 
     def postprocess(self, batch: ScheduledBatch) -> None:
-        """After the forward: advance computed counts and publish blocks that became full."""
+        """After the forward: advance computed counts and publish blocks that became full.
+
+        Sequences that finished meanwhile are skipped (with the engine's overlap schedule a step's outputs
+        are processed while the next step already runs, so its sequences can finish in between)."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
             first_full = seq.num_computed_tokens // self.block_manager.block_size
             seq.num_computed_tokens += num_new
             self._publish_full_blocks(seq, first_full)
@@ -116,6 +121,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_output_tokens >= seq.params.max_new_tokens:
+                i += 1  # overlap schedule: its last token is still in flight and it finishes then
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new > 0, "a running sequence always has a token to compute"
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + num_new, batch):

@@ -13,6 +13,10 @@ from typing import Any
 
 from clawrl.engine.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1
+"""Placeholder output token of the engine's overlap schedule: sampled on the device, not yet copied back.
+The model runner feeds the real id to the next step on the device; the engine overwrites it when it arrives."""
+
 
 class SequenceStatus(enum.Enum):
     """Where a sequence is: in the waiting queue, in the running batch, or done."""
@@ -59,7 +63,7 @@ class Sequence:
     num_preemptions: int = 0
     """How often this sequence was preempted (its K/V dropped and later recomputed)."""
     sampler_state: Any = None
-    """Opaque per-sequence sampler state (the engine keeps a torch.Generator here)."""
+    """The sequence's sampling seed (int): its noise is a hash of it and the token count (sampler.py)."""
     detokenizer: Any = None
     """Incremental detokenizer, only for sequences with stop strings."""
 

@@ -13,6 +13,8 @@ in-process rollouts). Routes:
     GET  /get_model_info, /get_weight_version
     POST /flush_cache, /update_weights_from_disk, /release_memory_occupation, /resume_memory_occupation,
          /pause_generation, /continue_generation, /abort_request
+    POST /update_weights_from_tensor, /init_weights_update_group, /update_weights_from_distributed,
+         /destroy_weights_update_group; GET /weights_checksum    (weight sync: weight_receiver.py)
 
 Errors are JSON `{"error": {"message", "type", "code"}, "message"}`: 400 for a bad request (the message
 names the field), 503 when the engine cannot serve, 500 for a bug.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -51,6 +54,7 @@ from clawrl.engine.protocol import (
     parse_request,
 )
 from clawrl.engine.sampling_params import SamplingParams
+from clawrl.engine.weight_receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +73,11 @@ def create_app(async_engine: AsyncEngine) -> FastAPI:
             yield
         finally:
             async_engine.shutdown()
+            app.state.weight_receiver.close()
 
     app = FastAPI(title="clawrl engine", lifespan=lifespan)
     app.state.engine = async_engine
+    app.state.weight_receiver = WeightReceiver(async_engine.engine)
     app.include_router(router)
     app.add_exception_handler(RequestError, _error_response)
     app.add_exception_handler(EngineUnavailableError, _error_response)
@@ -222,6 +228,68 @@ async def update_weights_from_disk(request: Request):
         req.model_path, weight_version=req.weight_version, abort_all_requests=req.abort_all_requests
     )
     return {"success": True, "message": f"weights loaded from {req.model_path}", "weight_version": version}
+
+
+# ---------------------------------------------------------------------------------------------------
+# weight sync (clawrl/weight_sync/ sends; clawrl/engine/weight_receiver.py does the work)
+
+
+def _receiver(request: Request) -> WeightReceiver:
+    return request.app.state.weight_receiver
+
+
+async def _json_object(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError as error:
+        raise RequestError(f"request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+async def _load_and_maybe_finish(request: Request, load: Any) -> dict:
+    """Run a bucket load on the engine thread; a finishing message also resumes generation."""
+    body = await _json_object(request)
+    engine = _engine(request)
+    result = await engine.run_in_engine_thread(functools.partial(load, body))
+    if result["finished"]:
+        await engine.continue_generation()
+    return result
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request):
+    return await _load_and_maybe_finish(request, _receiver(request).update_from_tensor)
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request):
+    return await _load_and_maybe_finish(request, _receiver(request).update_from_distributed)
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request):
+    body = await _json_object(request)
+    try:  # joining blocks until every rank is in: a worker thread, never the event loop or engine thread
+        return await asyncio.to_thread(_receiver(request).init_group, body)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request):
+    body = await _json_object(request)
+    try:
+        return await asyncio.to_thread(_receiver(request).destroy_group, body)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+
+
+@router.get("/weights_checksum")
+async def weights_checksum(request: Request):
+    return await _engine(request).run_in_engine_thread(_receiver(request).checksums)
 
 
 @router.post("/release_memory_occupation")

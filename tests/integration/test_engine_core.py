@@ -6,6 +6,7 @@ builder's init scale a 2-layer random model just repeats its last input token, w
 comparisons pass trivially.
 """
 
+import dataclasses
 import json
 import random
 import shutil
@@ -117,10 +118,11 @@ def test_batched_equals_one_at_a_time(ckpt):
 
 
 def test_preemption_recomputes_and_keeps_tokens(ckpt, engine):
-    reference = engine.generate(PROMPTS, mixed_params())
+    params = [dataclasses.replace(p, ignore_eos=True) for p in mixed_params()]  # all 12 tokens long
+    reference = engine.generate(PROMPTS, params)
     # 24 blocks x 4 = 96 slots for 72 prompt + 60 new tokens: sequences must be preempted and recomputed.
     small = make_engine(ckpt, num_kv_blocks=24)
-    results = small.generate(PROMPTS, mixed_params())
+    results = small.generate(PROMPTS, params)
     assert small.num_preemptions > 0
     assert_same(results, reference)
     assert small.scheduler.block_manager.num_used_blocks == 0
