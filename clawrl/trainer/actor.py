@@ -5,12 +5,14 @@
     metrics = actor.train(train_batch)             # log-probs, ref log-probs, advantages, optimizer steps
     actor.save(rollout_id)                          # --save checkpoint (collective)
     for bucket in actor.weight_buckets(): ...      # (HF name, full tensor) buckets for weight sync
+    actor.offload(); ...; actor.onload()           # --colocate: free the GPU while the engines generate
 
 All ranks of a job call the same methods in the same order (they run collectives).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -21,12 +23,15 @@ import torch.distributed as dist
 from clawrl.config.job import JobConfig
 from clawrl.config.plugins import load_function
 from clawrl.data.train_batch import TrainBatch
+from clawrl.models.config import load_model_args
+from clawrl.models.decoder import CausalLM
 from clawrl.models.hf_io import load_model, save_hf
-from clawrl.models.loader import iter_safetensors
+from clawrl.models.loader import iter_safetensors, load_weights
 from clawrl.trainer import checkpoint as ckpt
 from clawrl.trainer.distributed import all_reduce_sum, free_port, init_distributed
-from clawrl.trainer.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
+from clawrl.trainer.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh, reshard_all
 from clawrl.trainer.loss import LossFunction
+from clawrl.trainer.offload import HostOffload
 from clawrl.trainer.optim import LRSchedule, build_adamw
 from clawrl.trainer.rl_step import (
     Stopwatch,
@@ -49,7 +54,10 @@ class TrainActor:
         self.master_addr, self.master_port = master_addr, master_port or free_port()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.rollout_id_next = 0
+        self.loaded_meta: dict[str, Any] | None = None
         self.total_optimizer_steps: int | None = None
+        # Host copies while offloaded, per group: parameters can come back alone (weight sync, export).
+        self._host = {"params": HostOffload(), "optim": HostOffload(), "ref": HostOffload()}
 
     # ------------------------------------------------------------------------------------------ setup
     def init(self, total_optimizer_steps: int | None = None) -> int:
@@ -97,7 +105,7 @@ class TrainActor:
         bank = WeightBank(self.model)  # the initial weights, i.e. --hf-checkpoint
         ref_dir = self.job.model.ref_load
         if ref_dir and Path(ref_dir).resolve() != Path(self.job.model.hf_checkpoint).resolve():
-            bank.load_(dict(iter_safetensors(ref_dir)), self.model)
+            bank.load_(dict(iter_safetensors(ref_dir)), self.model, source=f"--ref-load {ref_dir}")
         return bank
 
     def _build_loss(self) -> LossFunction:
@@ -120,9 +128,17 @@ class TrainActor:
         self.rollout_id_next = int(meta["next_rollout_id"])
         return self.rollout_id_next
 
+    def loaded_extra(self) -> dict[str, Any]:
+        """The `extra` state saved with the checkpoint `init()` resumed from (e.g. the data cursor); {} if none."""
+        return (self.loaded_meta or {}).get("extra", {})
+
     # ------------------------------------------------------------------------------------------ train
     def train(self, batch: TrainBatch) -> dict[str, Any]:
         """Train on one rollout; returns rollout/*, train/* (one dict per optimizer step) and perf/* metrics."""
+        if self.is_offloaded:
+            raise RuntimeError(
+                "TrainActor.train() called while the trainer is offloaded: call onload() first"
+            )
         watch = Stopwatch(self.device)
         steps = self._plan(batch)
         my_ids = [i for s in steps for i in (s.sample_ids[j] for j in s.plan.samples_of(self.rank))]
@@ -212,26 +228,86 @@ class TrainActor:
         if not self.job.model.save:
             raise ValueError("TrainActor.save needs --save")
         meta = {"schedule": self.schedule.state_dict(), "extra": extra or {}}
-        return str(ckpt.save_checkpoint(self.job.model.save, rollout_id, self.model, self.optimizer, meta))
+        with self._onloaded("params", "optim"):
+            path = ckpt.save_checkpoint(self.job.model.save, rollout_id, self.model, self.optimizer, meta)
+        return str(path)
 
     def export_hf(self, out_dir: str) -> None:
-        """Write the current weights as a HF directory (rank 0 writes; every rank must call)."""
-        state = dict(iter_full_tensors(self.model))
+        """Write the current (fp32) weights as a HF directory: safetensors, config, and the tokenizer and
+        generation files of --hf-checkpoint. Rank 0 writes; every rank must call (the gather is collective).
+        Each tensor goes to host memory as soon as it is gathered, so no device holds a second full model."""
+        state: dict[str, torch.Tensor] = {}
+        with self._onloaded("params"):
+            for name, tensor in iter_full_tensors(self.model):
+                if self.rank == 0:
+                    state[name] = tensor.to("cpu")
         if self.rank == 0:
-            model = load_model_shell(self.job.model.hf_checkpoint)
-            model.load_state_dict(state, strict=True)
-            save_hf(model, out_dir, source_dir=self.job.model.hf_checkpoint)
+            source = self.job.model.hf_checkpoint
+            if self.job.model.model_impl == "hf":
+                from clawrl.trainer.hf_model import save_hf_model
+
+                save_hf_model(state, out_dir, source_dir=source)
+            else:
+                save_hf(native_model_from(state, source), out_dir, source_dir=source)
         dist.barrier()
 
+    @property
+    def engine_dtype(self) -> torch.dtype:
+        """Dtype the engines run in (bf16 on GPU, fp32 on CPU): weights are converted before they are sent."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
     def weight_buckets(self, dtype: torch.dtype | None = None):
-        """Buckets of (HF name, full tensor) of at most --update-weight-buffer-size bytes (collective)."""
-        return iter_weight_buckets(
-            iter_full_tensors(self.model, dtype), self.job.model.update_weight_buffer_size
-        )
+        """Buckets of (HF name, full tensor) of at most --update-weight-buffer-size bytes (collective).
+
+        Works while offloaded: the parameter shards come back for the gather and leave again at the end."""
+        with self._onloaded("params"):
+            yield from iter_weight_buckets(
+                iter_full_tensors(self.model, dtype), self.job.model.update_weight_buffer_size
+            )
 
     def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
         """sha256 per HF tensor of the current weights (collective; every rank returns the same dict)."""
-        return {name: tensor_checksum(t) for name, t in iter_full_tensors(self.model, dtype)}
+        with self._onloaded("params"):
+            return {name: tensor_checksum(t) for name, t in iter_full_tensors(self.model, dtype)}
+
+    # ------------------------------------------------------------------------------------------ memory
+    def offload(self) -> int:
+        """Free this rank's device memory for colocated engines (--colocate): parameter shards, optimizer
+        state and reference shards move to host memory (pinned on GPU); gradients are dropped (every
+        optimizer step starts from zero). Returns the bytes moved; a no-op when already offloaded.
+        Not collective. `train()` needs `onload()` first; save/export/weight sync work either way."""
+        if self.is_offloaded:
+            return 0
+        self.optimizer.zero_grad(set_to_none=True)
+        reshard_all(self.model)  # gathered (unsharded) parameters are freed, not copied
+        moved = self._host["params"].offload([*self.model.parameters(), *self.model.buffers()])
+        states = self.optimizer.state.values()
+        moved += self._host["optim"].offload([v for st in states for v in st.values() if torch.is_tensor(v)])
+        if self.ref_bank is not None:
+            moved += self._host["ref"].offload(self.ref_bank.shards)
+        return moved
+
+    def onload(self) -> None:
+        """Bring everything `offload()` moved back to the device, bit for bit (a no-op when not offloaded)."""
+        for host in self._host.values():
+            if host.is_offloaded:
+                host.onload()
+
+    @property
+    def is_offloaded(self) -> bool:
+        return any(host.is_offloaded for host in self._host.values())
+
+    @contextlib.contextmanager
+    def _onloaded(self, *groups: str):
+        """Run the body with these offloaded groups on the device; they leave again afterwards."""
+        back = [self._host[g] for g in groups if self._host[g].is_offloaded]
+        for host in back:
+            host.onload()
+        try:
+            yield
+        finally:
+            for host in back:
+                host.offload_again()
 
     def shutdown(self) -> None:
         """Leave the process group; the barrier keeps rank 0 (the rendezvous store's host) alive until the
@@ -241,6 +317,11 @@ class TrainActor:
             dist.destroy_process_group()
 
 
-def load_model_shell(model_dir: str):
-    """A CPU fp32 CausalLM of the checkpoint's architecture (weights loaded, then overwritten by the caller)."""
-    return load_model(model_dir, device="cpu", dtype=torch.float32)
+def native_model_from(state: dict[str, torch.Tensor], model_dir: str) -> CausalLM:
+    """A CPU CausalLM of `model_dir`'s architecture holding the HF-named full tensors `state` (no weights
+    are read from disk; a tied lm_head, absent from `state`, follows the embedding)."""
+    with torch.device("meta"):
+        model = CausalLM(load_model_args(model_dir))
+    model.to_empty(device="cpu")
+    load_weights(model, state.items())
+    return model

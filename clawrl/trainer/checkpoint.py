@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from clawrl.trainer.fsdp import reshard_all
+from clawrl.trainer.weights import architecture_mismatch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -77,6 +78,7 @@ def load_checkpoint(root, model, optimizer) -> dict[str, Any] | None:
         raise CheckpointError(f"{path}: the tracker names iteration {iteration} but meta.json is missing")
     reshard_all(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    _check_fits(path / "dcp", model_sd)
     state = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path / "dcp"))
@@ -88,6 +90,27 @@ def load_checkpoint(root, model, optimizer) -> dict[str, Any] | None:
         rng_file = path / "rng_rank0.pt"
     _set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / "meta.json").read_text())
+
+
+def _check_fits(dcp_dir: Path, model_sd: dict[str, Any]) -> None:
+    """One CheckpointError naming `dcp_dir` when its model tensors are not this model's (names and full
+    shapes), before DCP would fail on every rank with a long per-rank report."""
+    try:
+        saved = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    except Exception as e:  # a missing or truncated .metadata file
+        raise CheckpointError(
+            f"{dcp_dir}: not a readable torch.distributed.checkpoint directory ({e})"
+        ) from e
+    prefix = "model."
+    found = {
+        k[len(prefix) :]: tuple(v.size)
+        for k, v in saved.items()
+        if k.startswith(prefix) and hasattr(v, "size")
+    }
+    expected = {name: tuple(t.shape) for name, t in model_sd.items()}
+    problem = architecture_mismatch(expected, found)
+    if problem:
+        raise CheckpointError(f"{dcp_dir}: the checkpoint does not fit the model being trained: {problem}")
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -24,8 +24,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, compute_dtype: torch.dtype
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = model.model.layers
     for i, layer in enumerate(layers):
-        # The last block is gathered again right away by backward: keep it unsharded after forward.
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+        # The last block is gathered again right away by backward: keep it unsharded after forward. With
+        # one rank resharding saves only the bf16 compute copy, and regathering costs a cast per block.
+        reshard = mesh.size() > 1 and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
@@ -37,8 +39,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def _checkpointed(forward):
-    def run(*args):
-        return checkpoint(forward, *args, use_reentrant=False)
+    # Keyword arguments too: transformers' decoder layers (--model-impl hf) take most inputs by keyword.
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
 
@@ -46,9 +49,9 @@ def _checkpointed(forward):
 def reshard_all(model: nn.Module) -> None:
     """Free every unsharded parameter so `model.parameters()` are the sharded DTensors again.
 
-    After a forward the root (and the last block, see apply_fsdp) keep their gathered parameters; code that
-    reads or writes the shards in place (reference swap, export, checkpoint) must reshard first, or it
-    would see full-size (and, on GPU, bf16) tensors.
+    After a forward the root and the last block (every block with one rank, see apply_fsdp) keep their
+    gathered parameters; code that reads or writes the shards in place (reference swap, export,
+    checkpoint, offload) must reshard first, or it would see full-size (and, on GPU, bf16) tensors.
     """
     from torch.distributed.fsdp import FSDPModule
 

@@ -110,7 +110,9 @@ class LossFunction:
             pg_M = pg_M * weights_M.detach()
             metrics.update({k: reduce(v) for k, v in tis_metrics.items()})
         pg_loss = reduce(pg_M)
-        entropy_loss = reduce(entropy_M)
+        # With --entropy-coef 0 the entropy is only logged: detached, the fused LM-head backward skips its
+        # gradient terms (two passes over each [chunk, vocab] block).
+        entropy_loss = reduce(entropy_M if algo.entropy_coef else entropy_M.detach())
         loss = pg_loss - algo.entropy_coef * entropy_loss
         if algo.use_kl_loss:
             kl_loss = reduce(kl_estimate(log_probs_M, tok("ref_log_probs"), algo.kl_loss_type))

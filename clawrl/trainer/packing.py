@@ -77,7 +77,9 @@ def plan_micro_batches(
 def _balance_over_ranks(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
     """Longest-first greedy: each sample goes to the rank with the fewest tokens (ties: fewest samples).
 
-    Each rank's count is capped at ceil(n / dp) so sample counts stay even as well.
+    Each rank's count is capped at ceil(n / dp), so no rank collects many short samples while others
+    hold a few long ones (per-rank work has a per-sample part too). Token loads then differ by at most
+    one sample's length (tests/unit/test_trainer_packing.py checks it on random batches).
     """
     cap = -(-len(lengths) // dp_size)
     loads = [[0, 0, r] for r in range(dp_size)]  # tokens, samples, rank

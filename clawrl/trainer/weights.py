@@ -14,7 +14,6 @@ holds more than the bucket beyond its own shard.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from clawrl.trainer.fsdp import reshard_all
+from clawrl.weight_sync.checksum import tensor_checksum  # noqa: F401  (moved there; still importable here)
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -36,11 +36,17 @@ class WeightBank:
         self.names = [name for name, _ in model.named_parameters()]
         self.shards = [local_tensor(p).detach().clone() for _, p in model.named_parameters()]
 
-    def load_(self, named_full: dict[str, torch.Tensor], model: nn.Module) -> None:
-        """Fill the bank from full (unsharded) tensors, keeping this rank's slice of each."""
+    def load_(self, named_full: dict[str, torch.Tensor], model: nn.Module, *, source: str) -> None:
+        """Fill the bank from full (unsharded) tensors, keeping this rank's slice of each.
+
+        `source` (e.g. the --ref-load directory) names where the tensors come from in the error raised when
+        they do not fit the model (another architecture or other sizes).
+        """
+        found = {name: tuple(t.shape) for name, t in named_full.items()}
+        problem = architecture_mismatch(full_shapes(model), found, ignore=_aliases(model))
+        if problem:
+            raise ValueError(f"{source}: the weights do not fit the policy model: {problem}")
         for i, (name, param) in enumerate(model.named_parameters()):
-            if name not in named_full:
-                raise KeyError(f"reference weights have no tensor {name!r}")
             full = named_full[name].to(self.shards[i].dtype)
             self.shards[i].copy_(_slice_like(param, full))
 
@@ -55,6 +61,43 @@ class WeightBank:
         finally:
             reshard_all(model)
             _exchange(params, self.shards)
+
+
+def full_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """HF name -> full (unsharded) shape of every parameter; a DTensor's `shape` is the global one."""
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def _aliases(model: nn.Module) -> set[str]:
+    """Names that only repeat a parameter (a tied lm_head.weight) or buffers old checkpoints carry."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return (every - set(full_shapes(model))) | {"*rotary_emb.inv_freq"}
+
+
+def architecture_mismatch(
+    expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], *, ignore: set[str] = frozenset()
+) -> str | None:
+    """None if `found` has exactly the tensors of `expected` with the same shapes, else what differs.
+
+    `ignore` holds extra names allowed in `found` ("*suffix" matches any name ending in suffix).
+    """
+
+    def ignored(name: str) -> bool:
+        return name in ignore or any(p.startswith("*") and name.endswith(p[1:]) for p in ignore)
+
+    problems = [
+        f"{name!r} has shape {list(found[name])}, the model's is {list(shape)}"
+        for name, shape in expected.items()
+        if name in found and tuple(found[name]) != tuple(shape)
+    ]
+    problems += [f"no tensor {name!r}" for name in expected if name not in found]
+    problems += [
+        f"unexpected tensor {name!r}" for name in found if name not in expected and not ignored(name)
+    ]
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 3} more differences)" if len(problems) > 3 else ""
+    return "; ".join(problems[:3]) + more + " -- is it a checkpoint of another architecture or size?"
 
 
 def _exchange(params: list[torch.Tensor], shards: list[torch.Tensor]) -> None:
@@ -78,13 +121,20 @@ def _slice_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def iter_full_tensors(
     model: nn.Module, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every parameter, gathered one at a time; every rank must iterate."""
+    """(HF name, full tensor) for every parameter, gathered one at a time; every rank must iterate.
+
+    The tensors never alias the live parameters (with one rank, or a dtype that needs no conversion, the
+    gather would hand back the parameter's own storage): a consumer may keep, share or pin them freely.
+    """
     reshard_all(model)
     for name, param in model.named_parameters():
         local = param.detach()
         if dtype is not None:
             local = local.to(dtype)
-        yield name, local.full_tensor() if isinstance(local, DTensor) else local
+        full = local.full_tensor() if isinstance(local, DTensor) else local
+        if full.untyped_storage().data_ptr() == local_tensor(param).untyped_storage().data_ptr():
+            full = full.clone()
+        yield name, full
 
 
 def iter_weight_buckets(
@@ -102,11 +152,3 @@ def iter_weight_buckets(
         size += nbytes
     if bucket:
         yield bucket
-
-
-def tensor_checksum(tensor: torch.Tensor) -> str:
-    """sha256 of the tensor's bytes and dtype/shape: equal iff bit-identical."""
-    data = tensor.detach().contiguous().cpu()
-    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return digest.hexdigest()

@@ -1,0 +1,93 @@
+"""Trainer memory features (1 rank, in-process, CPU): offload/onload for --colocate keeps every bit of the
+training state and frees its storages; activation checkpointing changes nothing numerically.
+
+On CPU `offload()` runs the same mechanism as on GPU (storages copied to host buffers and resized to 0
+bytes), only without pinned memory, so what is checked here is what the GPU path does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_reference import full_weights, make_batch, make_job, running_actor, tiny_checkpoint
+
+from clawrl.trainer.weights import local_tensor
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("policy"), seed=0)
+
+
+def _train_metrics(metrics):
+    return {k: v for k, v in metrics.items() if not k.startswith("perf/")}
+
+
+def _optimizer_state(actor) -> list[torch.Tensor]:
+    return [local_tensor(v).clone() for st in actor.optimizer.state.values() for v in st.values()]
+
+
+def _storage_bytes(actor) -> list[int]:
+    params = [local_tensor(p).untyped_storage().nbytes() for p in actor.model.parameters()]
+    states = [local_tensor(v).untyped_storage().nbytes() for st in actor.optimizer.state.values()
+              for v in st.values()]  # fmt: skip
+    return params + states + [s.untyped_storage().nbytes() for s in actor.ref_bank.shards]
+
+
+def test_offload_onload_keeps_the_state_and_the_training(policy, tmp_path):
+    job = make_job(policy, train=dict(lr=1e-3), save=str(tmp_path / "ckpt"))
+    first, second = make_batch(0), make_batch(1)
+    with running_actor(job) as actor:
+        actor.train(first)
+        weights, state, checksums = full_weights(actor), _optimizer_state(actor), actor.checksums()
+        assert actor.offload() >= 3 * sum(w.numel() * 4 for w in weights.values())  # params, m, v (+ ref)
+        assert actor.is_offloaded and set(_storage_bytes(actor)) == {0}
+        assert actor.offload() == 0  # already offloaded: nothing more to move
+
+        # Reads work while offloaded (parameters come back for the gather, then leave again).
+        assert actor.checksums() == checksums
+        buckets = [pair for bucket in actor.weight_buckets() for pair in bucket]
+        assert all(torch.equal(t, weights[n]) for n, t in buckets) and len(buckets) == len(weights)
+        actor.save(0)
+        assert actor.is_offloaded and set(_storage_bytes(actor)) == {0}
+        with pytest.raises(RuntimeError, match="call onload\\(\\) first"):
+            actor.train(second)
+
+        actor.onload()
+        actor.onload()  # a no-op when not offloaded (the loop onloads before the first train)
+        assert not actor.is_offloaded and 0 not in _storage_bytes(actor)
+        assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(actor), state, strict=True))
+        offloaded_run = _train_metrics(actor.train(second))
+        offloaded_weights = full_weights(actor)
+
+    with running_actor(make_job(policy, train=dict(lr=1e-3))) as actor:
+        actor.train(first)
+        assert _train_metrics(actor.train(second)) == offloaded_run
+        for name, w in full_weights(actor).items():
+            assert torch.equal(w, offloaded_weights[name]), name
+
+    # The checkpoint written while offloaded holds the state after the first rollout.
+    with running_actor(make_job(policy, train=dict(lr=1e-3), load=str(tmp_path / "ckpt"))) as actor:
+        for name, w in full_weights(actor).items():
+            assert torch.equal(w, weights[name]), name
+        assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(actor), state, strict=True))
+
+
+def test_activation_checkpointing_is_bitwise_neutral(policy):
+    batch = make_batch(4)
+    results = []
+    for checkpointing in (False, True):
+        with running_actor(make_job(policy, gradient_checkpointing=checkpointing)) as actor:
+            metrics = _train_metrics(actor.train(batch))
+            results.append((metrics, full_weights(actor)))
+    (plain, plain_weights), (recomputed, recomputed_weights) = results
+    assert recomputed == plain
+    assert all(torch.equal(recomputed_weights[n], w) for n, w in plain_weights.items())
