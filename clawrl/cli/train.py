@@ -4,8 +4,8 @@
     clawrl train --help          # every flag, grouped by component (model, data, rollout, eval, train, ...)
 
 `train` is slime's synchronous loop; `train-async` generates rollout k+1 while training on rollout k.
-Both take the same flags (clawrl/config). The loops arrive with issue 5; until then both stop after validation with
-exit code 2. A flag mistake prints one line, `clawrl train: error: ...`, and exits with code 2.
+Both take the same flags (clawrl/config). A flag mistake, or a placement the cluster cannot hold, prints one
+line, `clawrl train: error: ...`, and exits with code 2.
 """
 
 from __future__ import annotations
@@ -40,14 +40,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace, prog: str) -> int:
-    """Validate the parsed flags; the loop itself is not there yet."""
+    """Validate the parsed flags, then run the synchronous or the asynchronous loop."""
+    from clawrl.cluster.placement import PlacementError
+
     try:
-        validate(job_from_namespace(args))
-    except ConfigError as e:
+        job = validate(job_from_namespace(args))
+        if prog.endswith("train-async"):
+            from clawrl.loops.async_ import train_async
+
+            train_async(job)
+        else:
+            from clawrl.loops.sync import train
+
+            train(job)
+    except (ConfigError, PlacementError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    print(f"{prog}: the training loop is not implemented yet (issue 5)", file=sys.stderr)
-    return 2
+    return 0
 
 
 def _exit_with_error(prog: str, message: str) -> NoReturn:

@@ -100,6 +100,7 @@ class RolloutManager:
             health_timeout_s=health_timeout_s,
             max_concurrent_requests=max_concurrency_per_engine * len(engine_urls),
         )
+        self._cursor_before: dict[int, dict[str, Any]] = {}
         self.last_samples: list[Sample] = []
         """The samples of the latest `generate`, in batch order (weight versions, text, metadata)."""
         self._loop = asyncio.new_event_loop()
@@ -174,7 +175,21 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         """One rollout: (TrainBatch of --rollout-batch-size x --n-samples-per-prompt samples, metrics)."""
+        # The cursor as it was before this rollout: a checkpoint of rollout k taken while rollout k+1 is
+        # already in flight (train-async) must resume at k+1's prompts, not after them.
+        self._cursor_before = {k: v for k, v in self._cursor_before.items() if k >= rollout_id - 1}
+        self._cursor_before[rollout_id] = self.state_dict()
         return self._run(self._generate(rollout_id), f"generate(rollout_id={rollout_id})")
+
+    def num_rollout_for_epochs(self) -> int:
+        """--num-epoch x (prompts per epoch // --rollout-batch-size): slime's default run length."""
+        per_epoch = len(self.data_source) // self.job.rollout.rollout_batch_size
+        if per_epoch < 1:
+            raise ValueError(
+                f"--prompt-data has {len(self.data_source)} prompts, fewer than one --rollout-batch-size "
+                f"{self.job.rollout.rollout_batch_size}: --num-epoch cannot make a rollout"
+            )
+        return per_epoch * (self.job.data.num_epoch or 1)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         """Evaluate on every --eval-prompt-data dataset: {"eval/<name>": mean reward, ...}."""
@@ -184,8 +199,11 @@ class RolloutManager:
         """GET /health_generate on every engine within the router's deadline; EngineHealthError if any is dead."""
         return self._run(self.router.check_health(), "check_health()")
 
-    def state_dict(self) -> dict[str, Any]:
-        """The data cursor (and buffered groups) as plain types."""
+    def state_dict(self, before_rollout: int | None = None) -> dict[str, Any]:
+        """The data cursor (and buffered groups) as plain types; `before_rollout=k`: as it was when rollout k
+        started (kept for the two latest rollouts)."""
+        if before_rollout is not None and before_rollout in self._cursor_before:
+            return self._cursor_before[before_rollout]
         return {"data_source": self.data_source.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

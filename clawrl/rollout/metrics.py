@@ -7,6 +7,8 @@ Rollout (one dict per `RolloutManager.generate`):
     rollout/zero_std/count_<reward>       kept groups whose rewards are all equal to <reward> (not for ppo)
     rollout/dynamic_filter/drop_<reason>  groups dropped by the dynamic filter, per reason
     rollout/aborted_samples               leftover samples aborted on the engines after the batch was full
+    rollout/weight_version{,_max}         oldest / newest engine weight version that produced the batch
+                                          (numeric versions only; the loop's versions are rollout counts)
     perf/rollout_time                     seconds for the whole rollout
     perf/tokens_per_gpu_per_sec           response tokens of the batch / rollout time / rollout devices
     perf/longest_sample_tokens_per_sec    longest response / rollout time
@@ -48,6 +50,7 @@ def rollout_metrics(
         "rollout/aborted_samples": float(num_aborted_samples),
         "perf/rollout_time": rollout_time_s,
     }
+    metrics.update(_weight_versions(samples))
     if estimator != "ppo":
         metrics.update(_zero_std_counts(groups, raw_rewards))
     for reason, count in sorted(drops.items()):
@@ -57,6 +60,17 @@ def rollout_metrics(
     metrics["perf/tokens_per_gpu_per_sec"] = response_tokens / elapsed / max(num_rollout_devices, 1)
     metrics["perf/longest_sample_tokens_per_sec"] = max(s.response_length for s in samples) / elapsed
     return metrics
+
+
+def _weight_versions(samples: list[Sample]) -> dict[str, float]:
+    versions = [v for s in samples for v in s.weight_versions]
+    try:
+        numeric = [float(v) for v in versions]
+    except ValueError:  # an external engine's version names (e.g. "default") carry no order
+        return {}
+    if not numeric:
+        return {}
+    return {"rollout/weight_version": min(numeric), "rollout/weight_version_max": max(numeric)}
 
 
 def _zero_std_counts(groups: list[list[Sample]], raw_rewards: list[float]) -> dict[str, float]:

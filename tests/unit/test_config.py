@@ -456,7 +456,10 @@ def test_bad_value_is_one_line_and_exit_code_2(argv, message):
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
-def test_valid_flags_reach_the_not_yet_implemented_loop():
-    result = clawrl("train-async", *BASE)
+def test_train_async_refuses_colocate_before_starting_anything():
+    result = clawrl("train-async", *BASE, "--colocate")
     assert result.returncode == 2
-    assert result.stderr == "clawrl train-async: the training loop is not implemented yet (issue 5)\n"
+    assert result.stderr == (
+        "clawrl train-async: error: --colocate: clawrl train-async needs separate trainer and engine GPUs; "
+        "drop --colocate\n"
+    )

@@ -1,0 +1,1 @@
+"""Ray bootstrap, placement, and the Ray actors of a job (engines and trainer ranks)."""

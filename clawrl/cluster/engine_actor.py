@@ -1,0 +1,48 @@
+"""EngineActor: one built-in engine serving its HTTP API from inside a Ray actor.
+
+The rollout side sees only the URL; control (release/resume memory, weight updates) also goes over HTTP,
+exactly as it would to an external SGLang-compatible server.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+
+@ray.remote
+class EngineActor:
+    """Builds Engine -> AsyncEngine -> FastAPI app -> uvicorn thread; `start()` returns the base URL."""
+
+    def __init__(self, config: dict, *, num_threads: int | None = None):
+        import torch
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.config = config
+        self.server = None
+
+    def start(self) -> str:
+        from clawrl.engine.async_engine import AsyncEngine
+        from clawrl.engine.config import EngineConfig
+        from clawrl.engine.engine import Engine
+        from clawrl.engine.server import ServerThread, create_app
+
+        config = EngineConfig(**self.config)
+        if config.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(0)  # Ray exposes exactly the GPU of this actor's bundle as device 0
+        self.server = ServerThread(create_app(AsyncEngine(Engine(config))), host=_host()).start()
+        return self.server.url
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def _host() -> str:
+    """Loopback when the whole job is on one machine; the node IP when joining a cluster."""
+    return "127.0.0.1" if not os.environ.get("CLAWRL_MULTINODE") else ray.util.get_node_ip_address()

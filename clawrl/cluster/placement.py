@@ -1,0 +1,98 @@
+"""Where trainer ranks and engines run: a pure plan from the flags and the cluster's GPU count.
+
+Modes (reference/slime.md 1.4):
+- cpu:      no GPU in the cluster. Trainer ranks = --actor-num-nodes x --actor-num-gpus-per-node processes,
+            engines = --rollout-num-gpus / --rollout-num-gpus-per-engine processes, all on CPU.
+- colocate: trainer and engines share the same GPUs, taking turns (--colocate): max(actor, rollout) GPUs.
+- split:    trainer GPUs first, then the engines' GPUs: actor + rollout GPUs.
+
+`plan_placement` checks the plan fits before anything starts, so an impossible request fails in a second
+with one message instead of a Ray actor waiting forever for a GPU that does not exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clawrl.config.resources import ResourcesConfig
+
+
+class PlacementError(ValueError):
+    """A placement the cluster cannot satisfy; the message names the flags and the numbers."""
+
+
+@dataclass(kw_only=True)
+class PlacementPlan:
+    """Which GPU slot (bundle) each trainer rank and each engine uses."""
+
+    mode: str
+    """"cpu", "colocate" or "split"."""
+    num_gpus: int
+    """GPU bundles to reserve (0 in cpu mode)."""
+    trainer_slots: list[int]
+    """Bundle index of each trainer rank (cpu mode: just 0..n-1, no bundle)."""
+    engine_slots: list[int]
+    """Bundle index of each engine (one GPU per engine)."""
+
+    @property
+    def num_trainer_ranks(self) -> int:
+        return len(self.trainer_slots)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engine_slots)
+
+    @property
+    def trainer_gpu_fraction(self) -> float:
+        """GPU share a trainer actor asks Ray for: a fraction when it shares its GPU with an engine."""
+        return 0.0 if self.mode == "cpu" else (0.5 if self.mode == "colocate" else 1.0)
+
+    @property
+    def engine_gpu_fraction(self) -> float:
+        return 0.0 if self.mode == "cpu" else (0.4 if self.mode == "colocate" else 1.0)
+
+
+def plan_placement(res: ResourcesConfig, *, cluster_gpus: int) -> PlacementPlan:
+    """Plan the job's processes; raises PlacementError when the cluster cannot hold them."""
+    actor = res.actor_num_gpus
+    rollout = actor if res.rollout_num_gpus is None and res.colocate else (res.rollout_num_gpus or 0)
+    if res.rollout_num_gpus_per_engine != 1:
+        raise PlacementError(
+            f"--rollout-num-gpus-per-engine {res.rollout_num_gpus_per_engine}: the built-in engine runs on one "
+            "GPU (no tensor parallelism); use 1 and more engines"
+        )
+    if rollout < 1:
+        raise PlacementError(
+            f"--rollout-num-gpus {rollout}: at least one engine is needed to generate rollouts"
+        )
+    if cluster_gpus == 0:
+        return PlacementPlan(
+            mode="cpu", num_gpus=0, trainer_slots=list(range(actor)), engine_slots=list(range(rollout))
+        )
+    if res.colocate:
+        needed = max(actor, rollout)
+        _check_fits(
+            needed, cluster_gpus, f"max(trainer {actor}, --rollout-num-gpus {rollout}) with --colocate"
+        )
+        return PlacementPlan(
+            mode="colocate",
+            num_gpus=needed,
+            trainer_slots=list(range(actor)),
+            engine_slots=list(range(rollout)),
+        )
+    needed = actor + rollout
+    _check_fits(needed, cluster_gpus, f"trainer {actor} + --rollout-num-gpus {rollout}")
+    return PlacementPlan(
+        mode="split",
+        num_gpus=needed,
+        trainer_slots=list(range(actor)),
+        engine_slots=list(range(actor, actor + rollout)),
+    )
+
+
+def _check_fits(needed: int, available: int, how: str) -> None:
+    if needed > available:
+        raise PlacementError(
+            f"the job needs {needed} GPUs ({how}; trainer = --actor-num-nodes x --actor-num-gpus-per-node) "
+            f"but the Ray cluster has {available}"
+        )

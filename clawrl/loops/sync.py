@@ -1,0 +1,38 @@
+"""The synchronous RL loop (`clawrl train`): generate -> train -> sync weights, one rollout at a time.
+
+clawrl train --hf-checkpoint DIR --prompt-data train.jsonl --rollout-batch-size 8 --num-rollout 10 ...
+"""
+
+from __future__ import annotations
+
+from clawrl.config.job import JobConfig
+from clawrl.loops.run import Run, periodic, timed
+
+
+def train(job: JobConfig) -> None:
+    run = Run.start(job)
+    try:
+        start = run.init_trainer()
+        run.sync_weights(version=start)  # engines serve the trainer's (possibly resumed) weights
+        for rollout_id in range(start, run.num_rollout):
+            metrics = {}
+            if rollout_id == 0 and job.eval.eval_interval is not None:
+                metrics.update(timed_eval(run, rollout_id))  # accuracy before any training
+            (batch, rollout_metrics), metrics["perf/rollout_time"] = timed(run.generate, rollout_id)
+            metrics.update(rollout_metrics)
+            train_metrics, metrics["perf/train_time"] = timed(run.train, batch)
+            metrics.update(train_metrics)
+            sync_metrics, metrics["perf/update_weights_time"] = timed(run.sync_weights, rollout_id + 1)
+            metrics.update({k: v for k, v in sync_metrics.items() if k != "perf/update_weights_time"})
+            if periodic(rollout_id, job.eval.eval_interval, run.num_rollout):
+                metrics.update(timed_eval(run, rollout_id + 1))
+            if periodic(rollout_id, job.model.save_interval, run.num_rollout) and job.model.save:
+                run.save(rollout_id)
+            run.log(rollout_id, metrics)
+    finally:
+        run.close()
+
+
+def timed_eval(run: Run, rollout_id: int) -> dict[str, float]:
+    metrics, seconds = timed(run.eval, rollout_id)
+    return {**metrics, "perf/eval_time": seconds}
