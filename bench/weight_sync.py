@@ -110,7 +110,7 @@ def _build_engine(model_dir: str, device: str, dtype: str):
     from clawrl.engine.engine import Engine
 
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)
     # A small KV cache and no CUDA graphs: the benchmark moves weights, it does not generate (weights are
     # copied into the parameters in place, so captured graphs would stay valid anyway).
     config = EngineConfig(model_path=model_dir, device=device, dtype=dtype, num_kv_blocks=16, context_length=256,

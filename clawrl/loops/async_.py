@@ -37,8 +37,7 @@ def train_async(job: JobConfig) -> None:
             metrics.update(train_metrics)
             if in_flight is not None:  # the next rollout must finish on the old weights before they change
                 ray.wait([in_flight])
-            sync_metrics, metrics["perf/update_weights_time"] = timed(run.sync_weights, rollout_id + 1)
-            metrics.update({k: v for k, v in sync_metrics.items() if k != "perf/update_weights_time"})
+            metrics.update(run.sync_weights(rollout_id + 1))
             if periodic(rollout_id, job.eval.eval_interval, run.num_rollout):
                 metrics.update(timed_eval(run, rollout_id + 1))
             if periodic(rollout_id, job.model.save_interval, run.num_rollout) and job.model.save:

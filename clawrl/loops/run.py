@@ -27,6 +27,10 @@ from clawrl.config.job import JobConfig
 logger = logging.getLogger(__name__)
 
 ENGINE_START_TIMEOUT_S = 600.0
+# Colocated engines get their memory back in two phases, as slime does: weights for the sync, then what
+# generation needs. Every released tag must come back, or the engine holds requests forever.
+SYNC_MEMORY_TAGS = ("weights",)
+GENERATION_MEMORY_TAGS = ("kv_cache", "cuda_graph")
 ROLLOUT_TIMEOUT_S = 3600.0
 
 
@@ -95,7 +99,7 @@ class Run:
         """Train on one rollout; with --colocate the engines first free the GPU (and the trainer takes it)."""
         res = self.job.resources
         if self.plan.mode == "colocate" and res.offload_rollout:
-            self._engines_call("release_memory_occupation")
+            self._engines_call("release_memory_occupation", [*SYNC_MEMORY_TAGS, *GENERATION_MEMORY_TAGS])
         if self.plan.mode == "colocate" and res.offload_train:
             self.trainer.call("onload")
         metrics = self.trainer.train(batch)
@@ -107,28 +111,29 @@ class Run:
         """Push the trainer's weights to every engine as weight version `version`.
 
         Released engines (colocate) get their weights memory back first and their KV cache only after the
-        sync, so the trainer's gathered buckets never share the GPU with a KV cache.
+        sync, so the trainer's gathered buckets never share the GPU with a KV cache. Returns
+        perf/update_weights_time (the transfer, version flip included), perf/engine_resume_time and, with
+        --check-weight-update-equal, perf/check_weight_update_time.
         """
-        from clawrl.weight_sync import transport_for
+        from clawrl.weight_sync import transport_for, verify_engine_weights
 
         released = self.plan.mode == "colocate" and self.job.resources.offload_rollout
+        resume_s = 0.0
         if released:
-            self._engines_call("resume_memory_occupation", ["weights"])
+            resume_s += timed(self._engines_call, "resume_memory_occupation", list(SYNC_MEMORY_TAGS))[1]
         metrics = self.trainer.update_weights(transport_for(self.plan, self.engine_urls), str(version))
-        if released:
-            self._engines_call("resume_memory_occupation", ["kv_cache"])
         if self.job.ci.check_weight_update_equal:
-            from clawrl.weight_sync import verify_engine_weights
-
+            start = time.perf_counter()
             checksums = self.trainer.call("checksums", self.trainer_engine_dtype())[0]
             verify_engine_weights(self.engine_urls, checksums, expected_version=str(version))
+            metrics["perf/check_weight_update_time"] = time.perf_counter() - start
+        if released:
+            resume_s += timed(self._engines_call, "resume_memory_occupation", list(GENERATION_MEMORY_TAGS))[1]
+            metrics["perf/engine_resume_time"] = resume_s
         return metrics
 
     def _engines_call(self, route: str, *args) -> None:
-        from clawrl.engine.client import EngineClient
-
-        for url in self.engine_urls:
-            getattr(EngineClient(url, timeout=300), route)(*args)
+        engines_call(self.engine_urls, route, *args)
 
     def trainer_engine_dtype(self):
         import torch
@@ -156,6 +161,14 @@ class Run:
         for engine in self.engines:
             ray.get(engine.stop.remote(), timeout=60)
         self.trainer.call("shutdown")
+
+
+def engines_call(urls: list[str], route: str, *args, timeout_s: float = 300.0) -> None:
+    """Call one control route (release/resume memory, ...) on every engine, with a deadline each."""
+    from clawrl.engine.client import EngineClient
+
+    for url in urls:
+        getattr(EngineClient(url, timeout=timeout_s), route)(*args)
 
 
 def engine_config(job: JobConfig, plan: PlacementPlan, index: int) -> dict:

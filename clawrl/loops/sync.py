@@ -22,8 +22,7 @@ def train(job: JobConfig) -> None:
             metrics.update(rollout_metrics)
             train_metrics, metrics["perf/train_time"] = timed(run.train, batch)
             metrics.update(train_metrics)
-            sync_metrics, metrics["perf/update_weights_time"] = timed(run.sync_weights, rollout_id + 1)
-            metrics.update({k: v for k, v in sync_metrics.items() if k != "perf/update_weights_time"})
+            metrics.update(run.sync_weights(rollout_id + 1))
             if periodic(rollout_id, job.eval.eval_interval, run.num_rollout):
                 metrics.update(timed_eval(run, rollout_id + 1))
             if periodic(rollout_id, job.model.save_interval, run.num_rollout) and job.model.save:
