@@ -187,11 +187,21 @@ def engine_config(job: JobConfig, plan: PlacementPlan, index: int) -> dict:
 
 
 def _checks(job: JobConfig) -> list:
-    if not job.ci.ci_test:
+    """--ci-test: assertions that watch the metric stream (the training code has no CI branches)."""
+    ci = job.ci
+    if not ci.ci_test:
         return []
-    from clawrl.metrics.checks import CITestChecks
+    from clawrl.metrics.checks import CITestChecks, MetricThresholdCheck
 
-    return [CITestChecks()]
+    checks = [
+        CITestChecks(
+            check_kl=not ci.ci_disable_kl_checker,
+            logprob_abs_diff_threshold=ci.ci_train_rollout_logprob_abs_diff_threshold,
+        )
+    ]
+    if ci.ci_metric_checker_key is not None:
+        checks.append(MetricThresholdCheck(ci.ci_metric_checker_key, ci.ci_metric_checker_threshold))
+    return checks
 
 
 def _wait_all(refs: list, what: str, timeout_s: float) -> list:

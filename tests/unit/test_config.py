@@ -110,6 +110,15 @@ def test_disable_flags_store_false_into_slime_dests():
         (["--actor-num-gpus-per-node", "0"], "--actor-num-gpus-per-node must be >= 1, got 0"),
         (["--rollout-num-gpus-per-engine", "0"], "--rollout-num-gpus-per-engine must be >= 1, got 0"),
         (["--run-name", "a/b"], "--run-name must be non-empty without '/', got 'a/b'"),
+        (
+            ["--ci-metric-checker-key", "eval/gsm8k"],
+            "--ci-metric-checker-key and --ci-metric-checker-threshold go together; got key 'eval/gsm8k' and "
+            "threshold None",
+        ),
+        (
+            ["--ci-train-rollout-logprob-abs-diff-threshold", "-1"],
+            "--ci-train-rollout-logprob-abs-diff-threshold must be >= 0, got -1.0",
+        ),
     ],
 )
 def test_bad_single_values_name_flag_and_value(flags, message):
