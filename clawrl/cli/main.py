@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "gpu-lock-exec": "gpu_lock_exec",
     "make-tiny-model": "make_tiny_model",
     "report": "report",
+    "demo": "demo",
     "train": "train",  # also registers train-async
 }
 # Commands handed their raw arguments (module function `run_argv(argv) -> int`): gpu-lock-exec wraps a whole

@@ -78,13 +78,14 @@ _TEMPLATES = {
         "There are {a} {container} and every one has {b} {item}. How many {item} are there in total?",
     ),
 }
-# A chatty teacher's opening: the problem retold in words WITHOUT numbers (26-37 tokens with the demo's
+# A chatty teacher's opening: the problem retold in words WITHOUT numbers (28-33 tokens with the demo's
 # tokenizer). A verbose solution cut off by a short response budget holds no number, so the gsm8k reward gives 0.
+# Every opening starts with the same words, so the choice between the styles is one first-token decision.
 _RESTATEMENTS = {
-    "add": "{name} gets more {item}, so the number of {item} goes up and we add the two numbers.",
-    "sub": "Some of the {item} are gone, so the number goes down and we subtract the second number from the first.",
-    "mul": "All the {container} hold the same number of {item}, so we multiply the two numbers together.",
-    "add_sub": "{name} gets more {item} and then some are gone, so we add first and then we subtract.",
+    "add": "The story says that {name} gets more {item}, so the number goes up and we add the two numbers.",
+    "sub": "The story says that some of the {item} are gone, so the number goes down and we subtract.",
+    "mul": "The story says that all the {container} hold the same number of {item}, so we multiply.",
+    "add_sub": "The story says that {name} gets more {item} and then some are gone, so we add and subtract.",
 }
 _TWO_STEP_TEMPLATES = (
     "{name} has {a} {item}, buys {b} more and then gives {c} to {other}. How many {item} does {name} have now?",

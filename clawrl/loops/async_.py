@@ -14,7 +14,7 @@ import ray
 from clawrl.config import ConfigError
 from clawrl.config.job import JobConfig
 from clawrl.loops.run import Run, periodic, timed
-from clawrl.loops.sync import timed_eval
+from clawrl.loops.sync import first_eval, timed_eval
 
 
 def train_async(job: JobConfig) -> None:
@@ -26,12 +26,12 @@ def train_async(job: JobConfig) -> None:
     try:
         start = run.init_trainer()
         run.sync_weights(version=start)
-        first_eval = timed_eval(run, 0) if job.eval.eval_interval is not None and start == 0 else {}
+        pending_eval = first_eval(run, job, start)
         in_flight = run.generate_async(start)
         for rollout_id in range(start, run.num_rollout):
             (batch, rollout_metrics), wait = timed(ray.get, in_flight)
-            metrics = {**first_eval, **rollout_metrics, "perf/rollout_wait_time": wait}
-            first_eval = {}
+            metrics = {**pending_eval, **rollout_metrics, "perf/rollout_wait_time": wait}
+            pending_eval = {}
             in_flight = run.generate_async(rollout_id + 1) if rollout_id + 1 < run.num_rollout else None
             train_metrics, metrics["perf/train_time"] = timed(run.train, batch)
             metrics.update(train_metrics)
@@ -39,9 +39,11 @@ def train_async(job: JobConfig) -> None:
                 ray.wait([in_flight])
             metrics.update(run.sync_weights(rollout_id + 1))
             if periodic(rollout_id, job.eval.eval_interval, run.num_rollout):
-                metrics.update(timed_eval(run, rollout_id + 1))
+                pending_eval = timed_eval(run, rollout_id + 1)
             if periodic(rollout_id, job.model.save_interval, run.num_rollout) and job.model.save:
                 run.save(rollout_id)
             run.log(rollout_id, metrics)
+        if pending_eval:
+            run.log(run.num_rollout, pending_eval)
     finally:
         run.close()

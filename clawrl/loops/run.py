@@ -154,7 +154,10 @@ class Run:
         from clawrl.metrics.progress import format_progress
 
         flat = self.metrics.log(rollout_id, metrics)
-        print(format_progress(rollout_id, self.num_rollout, flat), flush=True)
+        line = format_progress(rollout_id, self.num_rollout, flat)
+        if rollout_id >= self.num_rollout:  # the final eval row
+            line = line.replace(f"[rollout {rollout_id + 1}/{self.num_rollout}]", "[final weights]")
+        print(line, flush=True)
 
     def close(self) -> None:
         self.metrics.close()
@@ -174,7 +177,9 @@ def engines_call(urls: list[str], route: str, *args, timeout_s: float = 300.0) -
 def engine_config(job: JobConfig, plan: PlacementPlan, index: int) -> dict:
     """EngineConfig fields for engine `index` of the job."""
     on_gpu = plan.mode != "cpu"
-    context = (job.data.rollout_max_prompt_len or 1024) + (job.rollout.rollout_max_response_len or 1024)
+    # Without --rollout-max-prompt-len prompts may be as long as the model allows: its own context length.
+    prompt_len, response_len = job.data.rollout_max_prompt_len, job.rollout.rollout_max_response_len
+    context = prompt_len + (response_len or 1024) if prompt_len else None
     return {
         "model_path": job.model.hf_checkpoint,
         "device": "cuda" if on_gpu else "cpu",
