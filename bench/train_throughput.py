@@ -30,6 +30,13 @@ Run (CPU smoke test, here; --shape tiny uses 4 x 256 and lengths 8..512, both si
 Options: --shape 1.5b|0.5b|tiny, --steps N (timed), --warmup N, --skip-hf, --profile (torch.profiler table
 of one step of ours), --gradient-checkpointing, --max-tokens-per-gpu N (default 8192).
 
+LM head alone (--lm-head-only, < 1 min on the H200): forward and forward + backward of
+clawrl.trainer.logprobs.linear_log_probs at --lm-head-tokens x hidden x vocab (default 8192 x 1536 x 151936),
+bf16, on the PyTorch path and (CUDA) the Triton path, for the log-prob-only pass (no grad), a loss on the
+log-probs with the entropy detached (--entropy-coef 0, the default) and one with an entropy gradient; plus the
+max difference between the two paths and the GEMM-only ideal (4 GEMMs of 2 M D V FLOPs at the peak):
+    PYTHONPATH=. python bench/train_throughput.py --lm-head-only --json-out $OUT/lm_head.json
+
 Imports only clawrl.{trainer,models,algo,config,data} (+ torch, safetensors; transformers in the hf phases):
 the GPU image has no ray/fastapi/uvicorn.
 """
@@ -202,13 +209,113 @@ def profile_ours(actor, tokens: list[list[int]]) -> str:
     batch = train_batch(tokens)
     with profile(activities=activities) as prof:
         actor.train(batch)
-    keys = ("device_time_total", "cuda_time_total") if actor.device.type == "cuda" else ("cpu_time_total",)
+    averages = prof.key_averages()
+    # By self CPU time too: a step whose wall time exceeds its CUDA time is bound by the host (hooks, launches).
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=25)]
+    keys = ("self_device_time_total", "self_cuda_time_total") if actor.device.type == "cuda" else ()
     for key in keys:  # the CUDA column's name changed across torch releases
         try:
-            return prof.key_averages().table(sort_by=key, row_limit=30)
+            tables.insert(0, averages.table(sort_by=key, row_limit=45))
+            break
         except (KeyError, AttributeError, ValueError):
             continue
-    return prof.key_averages().table(row_limit=30)
+    return "\n".join(tables)
+
+
+# -------------------------------------------------------------------------------------------- lm head
+LM_HEAD_MODES = ("logp_only_no_grad", "logp_grad_entropy_detached", "logp_and_entropy_grad")
+
+
+def lm_head_inputs(shape: dict, num_tokens: int, device: torch.device, seed: int):
+    """Final-norm-like hidden states [M, D] (unit scale), an LM head [V, D] at the checkpoint's 0.02 scale."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    d, v = shape["hidden_size"], shape["vocab_size"]
+    hidden = torch.randn(num_tokens, d, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(v, d, generator=gen, device=device) * 0.02).to(dtype)
+    targets = torch.randint(0, v, (num_tokens,), generator=gen, device=device)
+    return hidden, weight, targets
+
+
+def lm_head_step(hidden, weight, targets, mode: str):
+    """One call of the fused LM-head function as the trainer makes it; returns (logp, entropy, grads)."""
+    from clawrl.trainer.logprobs import linear_log_probs
+
+    if mode == "logp_only_no_grad":  # compute_log_probs: the pass before the optimizer steps
+        with torch.no_grad():
+            logp, ent = linear_log_probs(hidden, weight, targets, temperature=0.7)
+        return logp, ent, ()
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    logp, ent = linear_log_probs(h, w, targets, temperature=0.7, with_entropy=True)
+    entropy_term = ent if mode == "logp_and_entropy_grad" else ent.detach()
+    (logp.mean() - 0.01 * entropy_term.mean()).backward()
+    return logp.detach(), ent.detach(), (h.grad, w.grad)
+
+
+def run_lm_head(shape: dict, device: torch.device, args, results: dict) -> None:
+    """--lm-head-only: results["lm_head"] gets the median ms and peak memory of each mode on each path (filled
+    as it goes, so the PyTorch numbers survive a Triton failure) and the paths' max differences."""
+    from clawrl.trainer import logprobs
+
+    hidden, weight, targets = lm_head_inputs(shape, args.lm_head_tokens, device, args.seed)
+    out = results["lm_head"] = {
+        "tokens": args.lm_head_tokens,
+        "ideal_gemm_ms": _lm_head_ideal_ms(hidden, weight),
+    }
+    last: dict = {}
+    for path in ("never", "auto") if device.type == "cuda" else ("never",):
+        logprobs.TRITON_PATH = path
+        name = "triton" if path == "auto" else "torch"
+        for mode in LM_HEAD_MODES:
+            times = []
+            for i in range(args.warmup + args.steps):
+                last[f"{name}/{mode}"] = None  # free the previous call's gradients before timing the next
+                _sync(device)
+                start = time.perf_counter()
+                last[f"{name}/{mode}"] = lm_head_step(hidden, weight, targets, mode)
+                _sync(device)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - start)
+            out[f"{name}/{mode}"] = {"ms": 1e3 * statistics.median(times), **_memory(device)}
+    logprobs.TRITON_PATH = "auto"
+    if device.type == "cuda":
+        out["max_abs_diff"] = _lm_head_diffs(last)
+
+
+def _lm_head_ideal_ms(hidden, weight) -> float:
+    """4 GEMMs (forward logits; backward: recomputed logits, d hidden, d W) of 2 M D V FLOPs at the peak."""
+    return 4 * 2.0 * hidden.shape[0] * hidden.shape[1] * weight.shape[0] / (PEAK_TFLOPS * 1e12) * 1e3
+
+
+def _lm_head_diffs(results: dict) -> dict:
+    """Max |triton - torch| of logp, entropy, d hidden, d W (relative to max |torch| for the gradients)."""
+    diffs = {}
+    for mode in LM_HEAD_MODES:
+        (t_logp, t_ent, t_grads), (r_logp, r_ent, r_grads) = (
+            results[f"triton/{mode}"],
+            results[f"torch/{mode}"],
+        )
+        diffs[mode] = {
+            "logp": (t_logp - r_logp).abs().max().item(),
+            "entropy": (t_ent - r_ent).abs().max().item(),
+        }
+        names = ("grad_hidden_rel", "grad_weight_rel") if t_grads else ()  # no gradients without autograd
+        for name, a, b in zip(names, t_grads, r_grads, strict=True):
+            diffs[mode][name] = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+    return diffs
+
+
+def _print_lm_head(r: dict) -> None:
+    print(
+        f"\n=== LM head alone: {r['tokens']} tokens; GEMM-only ideal fwd+bwd {r['ideal_gemm_ms']:.1f} ms ==="
+    )
+    for key, value in r.items():
+        if isinstance(value, dict) and "ms" in value:
+            print(
+                f"{key:42s} {value['ms']:8.2f} ms  peak {value.get('peak_memory_gib', float('nan')):6.2f} GiB"
+            )
+    for mode, diff in r.get("max_abs_diff", {}).items():
+        print(f"max |triton - torch| {mode}: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()))
 
 
 # ------------------------------------------------------------------------------------------------- hf
@@ -321,6 +428,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of one step of ours (a)"
     )
+    p.add_argument(
+        "--lm-head-only", action="store_true", help="time only the fused LM-head log-prob function"
+    )
+    p.add_argument("--lm-head-tokens", type=int, default=8192, help="rows M of the --lm-head-only benchmark")
     p.add_argument("--json-out", help="write all results to this JSON file")
     p.add_argument("--model-dir", help="reuse a checkpoint written by an earlier run (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
@@ -346,6 +457,11 @@ def main(argv=None) -> int:
     print(
         f"shape {args.shape} {shape}; device {device}; varlen batch {len(lengths)} seqs, {sum(lengths)} tokens"
     )
+    if args.lm_head_only:
+        with phase("LM head alone", results, device):
+            run_lm_head(shape, device, args, results)
+            _print_lm_head(results["lm_head"])
+        return _finish(results, args)
     with tempfile.TemporaryDirectory(prefix="clawrl-bench-") as tmp:
         model_dir = Path(args.model_dir) if args.model_dir else Path(tmp) / "model"
         with phase("write checkpoint", results, device):
@@ -355,6 +471,10 @@ def main(argv=None) -> int:
         if not args.skip_hf:
             _run_hf(model_dir, device, args, shape, fixed, varlen, results)
     _summarise(results)
+    return _finish(results, args)
+
+
+def _finish(results: dict, args) -> int:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")

@@ -22,11 +22,11 @@ from torch import nn
 
 from clawrl.models.attention import AttentionBackend
 from clawrl.models.config import ModelArgs
-from clawrl.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from clawrl.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, TrainKernelSwitch, apply_rotary_qk
 from clawrl.models.loader import PackedWeightLoader, default_weight_loader
 
 
-class Attention(nn.Module):
+class Attention(TrainKernelSwitch, nn.Module):
     """Projections, optional q/k norm (Qwen3) and RoPE; the attention itself is the backend's."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, *, fused: bool):
@@ -68,7 +68,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin, fused=self.use_train_kernels(q))
         out = attn.forward(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -5,12 +5,21 @@ Numerics follow `transformers` exactly, so that logits match it to float roundin
 - RoPE angles are `position * inv_freq` in fp32 (inv_freq computed on the CPU, as transformers does), cos/sin
   are cast to the activation dtype, and rotation is the non-interleaved "rotate_half" convention.
 
+Training kernels: `enable_train_kernels(model)` switches the modules below (and the decoder's Attention) to
+the fused Triton ops with autograd of clawrl/models/triton_train_ops.py, for tensors on CUDA only. It is off
+by default, so the CPU path, the engine and every model that was not switched run the eager ops unchanged.
+
 Shapes: N = tokens (flat, no batch dim), H = heads, D = head_dim.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import os
+from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -18,7 +27,43 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class RMSNorm(nn.Module):
+class TrainKernelSwitch:
+    """Mixin of the modules that have fused Triton training kernels; see `enable_train_kernels`."""
+
+    kernel_devices: frozenset[str] = frozenset()
+    """Device types whose tensors take the kernels ("cuda"; "cpu" under the Triton interpreter); none by default."""
+
+    def use_train_kernels(self, x: torch.Tensor) -> bool:
+        return x.device.type in self.kernel_devices
+
+
+def enable_train_kernels(model: nn.Module, devices: Iterable[str] = ("cuda",)) -> int:
+    """Route `model`'s RMSNorm, SiLU-and-mul and RoPE through the fused Triton training kernels for tensors on
+    these device types (`devices=()` switches back to eager). Returns the number of modules switched: 0 when
+    triton is not installed, where the eager ops stay. "cpu" needs TRITON_INTERPRET=1 (tests only)."""
+    kernel_devices = frozenset(devices)
+    if "cpu" in kernel_devices and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"enable_train_kernels(devices={sorted(kernel_devices)}): Triton kernels run on CPU tensors only "
+            f"under the Triton interpreter (TRITON_INTERPRET=1 before triton is imported); drop 'cpu'"
+        )
+    if kernel_devices and importlib.util.find_spec("triton") is None:
+        return 0
+    switched = [m for m in model.modules() if isinstance(m, TrainKernelSwitch)]
+    for module in switched:
+        module.kernel_devices = kernel_devices
+    return len(switched)
+
+
+@functools.cache
+def _train_ops() -> ModuleType:
+    # Imported on first use: triton stays unimported on the eager paths (and in the engine).
+    from clawrl.models import triton_train_ops
+
+    return triton_train_ops
+
+
+class RMSNorm(TrainKernelSwitch, nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), the statistics accumulated in fp32."""
 
     def __init__(self, dim: int, eps: float):
@@ -27,6 +72,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_train_kernels(x):
+            return _train_ops().fused_rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -88,7 +135,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class GatedMLP(nn.Module):
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fused: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` on q [N, Hq, D] and k [N, Hkv, D]; fused=True runs the Triton training kernel."""
+    if fused:
+        return _train_ops().fused_rotary_qk(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+class GatedMLP(TrainKernelSwitch, nn.Module):
     """down(silu(gate(x)) * up(x)); `fused` keeps gate and up in one matrix `gate_up_proj` ([gate; up])."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool, fused: bool):
@@ -106,4 +162,6 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.use_train_kernels(gate):
+            return self.down_proj(_train_ops().fused_silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from clawrl.data.train_batch import TrainBatch
 from clawrl.models.config import load_model_args
 from clawrl.models.decoder import CausalLM
 from clawrl.models.hf_io import load_model, save_hf
+from clawrl.models.layers import enable_train_kernels
 from clawrl.models.loader import iter_safetensors, load_weights
 from clawrl.trainer import checkpoint as ckpt
 from clawrl.trainer.distributed import all_reduce_sum, free_port, init_distributed
@@ -91,6 +93,8 @@ class TrainActor:
             model = load_hf_model(model_cfg.hf_checkpoint, device=self.device)
         else:
             model = load_model(model_cfg.hf_checkpoint, fused=False, device=self.device, dtype=torch.float32)
+            if os.environ.get("CLAWRL_TRAIN_KERNELS", "1") != "0":  # fused RMSNorm/SiLU/RoPE on CUDA
+                enable_train_kernels(model)
         if model_cfg.gradient_checkpointing:
             apply_activation_checkpointing(model)
         compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -194,7 +198,8 @@ class TrainActor:
     def _optimizer_step(self, batch, step, per_token, temperature) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = {}
-        for mb in micro_batches(batch, step, self.rank, self.device, per_token):
+        for mb, is_last in _with_last(micro_batches(batch, step, self.rank, self.device, per_token)):
+            self._defer_grad_sync(until_last=is_last)
             log_probs, entropy = forward_log_probs(self.model, mb, temperature, with_entropy=True)
             loss, metrics = self.loss_fn(mb, log_probs, entropy, step.counts)
             # FSDP averages gradients over ranks; the loss terms are already global sums, so undo the mean.
@@ -209,6 +214,15 @@ class TrainActor:
         self.optimizer.step()
         self.schedule.advance()
         return out
+
+    def _defer_grad_sync(self, *, until_last: bool) -> None:
+        """With one rank, keep the bf16 parameters and accumulate fp32 gradients across micro-batches and
+        "reduce" (a copy into the sharded fp32 gradients) once, after the last: the same fp32 sums in the
+        same order, without a parameter cast and a gradient copy per micro-batch. With several ranks each
+        micro-batch's gradients are reduce-scattered as they come (no full-size gradients per rank)."""
+        if self.world_size == 1:
+            self.model.set_requires_gradient_sync(until_last)
+            self.model.set_reshard_after_backward(until_last)
 
     def _clip_grad(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -325,3 +339,16 @@ def native_model_from(state: dict[str, torch.Tensor], model_dir: str) -> CausalL
     model.to_empty(device="cpu")
     load_weights(model, state.items())
     return model
+
+
+def _with_last(items):
+    """(item, is_last) pairs of an iterable, looking one item ahead."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield current, False
+        current = following
+    yield current, True
