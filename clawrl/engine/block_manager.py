@@ -21,12 +21,22 @@ from collections import OrderedDict
 
 
 def chain_block_hashes(
-    hashes: list[bytes], token_ids: list[int], block_size: int, num_blocks: int, namespace: str
+    hashes: list[bytes],
+    token_ids: list[int],
+    block_size: int,
+    num_blocks: int,
+    namespace: str,
+    *,
+    token_offset: int = 0,
 ) -> list[bytes]:
-    """Extend `hashes` (of the leading blocks of `token_ids`) in place to `num_blocks` full blocks."""
+    """Extend `hashes` (of the leading blocks of a sequence) in place to `num_blocks` full blocks.
+
+    `token_ids` are the sequence's tokens from position `token_offset` on (at most len(hashes) * block_size,
+    so a caller extending the chain passes only the tokens of the blocks still to hash)."""
+    assert token_offset <= len(hashes) * block_size
     prev = hashes[-1] if hashes else namespace.encode()
     for i in range(len(hashes), num_blocks):
-        block = token_ids[i * block_size : (i + 1) * block_size]
+        block = token_ids[i * block_size - token_offset : (i + 1) * block_size - token_offset]
         assert len(block) == block_size, "only full blocks are hashed"
         prev = hashlib.blake2b(prev + array("q", block).tobytes(), digest_size=16).digest()
         hashes.append(prev)
@@ -82,6 +92,8 @@ class BlockManager:
 
     def can_allocate(self, num_new_blocks: int, hit_block_ids: list[int] = ()) -> bool:
         """Whether `num_new_blocks` fresh blocks fit after reviving `hit_block_ids` from the free pool."""
+        if not hit_block_ids:  # a decoding sequence growing by a block, every block_size steps
+            return num_new_blocks <= len(self._free)
         num_revived = sum(1 for b in hit_block_ids if self._ref_counts[b] == 0)
         return num_new_blocks + num_revived <= len(self._free)
 

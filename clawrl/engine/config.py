@@ -38,10 +38,12 @@ class EngineConfig:
     fused_kernels: bool = True
     """CUDA: fused Triton norm / RoPE+KV-write / SiLU kernels in the forward (False: the model's torch ops;
     attention is Triton either way). Ignored on CPU."""
-    enable_overlap_schedule: bool = False
+    enable_overlap_schedule: bool | None = None
     """Launch step t + 1 before step t's tokens are back, so scheduling and output processing on the CPU
-    overlap the GPU's work (SGLang's overlap schedule). step() then returns each step's outputs one call
-    later, and a sequence that stops computes one extra, discarded token."""
+    overlap the GPU's work (SGLang's overlap schedule; same tokens as without it). step() then returns each
+    step's outputs one call later, and a sequence that stops computes one extra, discarded token. None (the
+    default) means on for a CUDA device and off on CPU, where the reference runner computes a step as it is
+    launched, so there is nothing to overlap (see `overlap_schedule`)."""
     seed: int = 0
     """Seed of the engine's generator that seeds requests which carry no seed of their own."""
 
@@ -63,6 +65,18 @@ class EngineConfig:
             )
         if not self.cpu_kv_cache_gib > 0:
             raise ValueError(f"EngineConfig.cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.enable_overlap_schedule is not None and not isinstance(self.enable_overlap_schedule, bool):
+            raise ValueError(
+                f"EngineConfig.enable_overlap_schedule must be true, false or null (auto), "
+                f"got {self.enable_overlap_schedule!r}"
+            )
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether the engine starts with the overlap schedule: enable_overlap_schedule, None = on for CUDA."""
+        if self.enable_overlap_schedule is None:
+            return self.device.startswith("cuda")
+        return self.enable_overlap_schedule
 
 
 def _positive(name: str, value: object) -> None:

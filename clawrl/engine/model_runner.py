@@ -33,10 +33,12 @@ class StepHandle:
     """Sampled token ids (reference runner: known at launch)."""
     logprobs: list[float] | None = None
     """Their logprobs (reference runner: known at launch)."""
-    host: torch.Tensor | None = None
-    """GPU runner: pinned host buffer receiving [tokens; logprobs] as float64."""
+    host_tokens: torch.Tensor | None = None
+    """GPU runner: pinned int64 host buffer receiving the sampled token ids."""
+    host_logprobs: torch.Tensor | None = None
+    """GPU runner: pinned fp32 host buffer receiving their logprobs."""
     event: torch.cuda.Event | None = None
-    """GPU runner: recorded after the device-to-host copy into `host`."""
+    """GPU runner: recorded after the device-to-host copies into the host buffers."""
 
 
 @dataclass(kw_only=True)

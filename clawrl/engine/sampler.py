@@ -22,13 +22,16 @@ Logprob returned for the chosen token (decision 7): log softmax(logits / T) in f
 scaled distribution *before* top-k / top-p / min-p filtering, because that is what the trainer recomputes
 from its own logits divided by the rollout temperature. Greedy rows report log softmax(logits) (T = 1).
 
-On CUDA (`fused=True`) greedy and plain-temperature rows are handled by one Triton pass over the logits
-(`triton_ops.sample_rows`); rows with top-k / top-p / min-p go through the torch code below.
+On CUDA (`fused=True`) greedy and plain-temperature rows are handled by the Triton sampler
+(`triton_ops.sample_rows`: one program per vocabulary slice of a row, then a per-row merge; the token does
+not depend on the slicing); rows with top-k / top-p / min-p go through the torch code below. The GPU runner
+calls `sample_planned` with a `SamplingPlan` built once per batch composition and keys from `step_keys`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,21 +50,34 @@ def sequence_seed(request_seed: int, index: int) -> int:
 
 
 def _mix32_numpy(x: np.ndarray) -> np.ndarray:
-    """lowbias32 on uint64 arrays holding 32-bit values (uint64 products wrap mod 2^64, low bits exact)."""
-    x = x ^ (x >> np.uint64(16))
-    x = (x * np.uint64(_MUL_A)) & np.uint64(_M32)
-    x = x ^ (x >> np.uint64(15))
-    x = (x * np.uint64(_MUL_B)) & np.uint64(_M32)
-    return x ^ (x >> np.uint64(16))
+    """lowbias32 of a uint32 array, in place (uint32 products wrap mod 2^32, as the hash wants)."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(_MUL_A)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(_MUL_B)
+    x ^= x >> np.uint32(16)
+    return x
 
 
 def sampling_keys(seeds: Sequence[int], steps: Sequence[int]) -> np.ndarray:
     """Row keys (32-bit values in int64) from each sequence's seed and its count of generated tokens."""
+    return step_keys(seed_keys(seeds), steps)
+
+
+def seed_keys(seeds: Sequence[int]) -> np.ndarray:
+    """The part of each row key that depends on the seed only, h(h(seed_lo) ^ seed_hi), uint32. The GPU
+    runner keeps it per batch composition and only mixes in the step each step (`step_keys`)."""
     seed = np.array(seeds, dtype=np.uint64)
-    key = _mix32_numpy(seed & np.uint64(_M32))
-    key = _mix32_numpy(key ^ (seed >> np.uint64(32)))
-    key = _mix32_numpy(key ^ (np.array(steps, dtype=np.uint64) & np.uint64(_M32)))
-    return key.astype(np.int64)
+    key = _mix32_numpy((seed & np.uint64(_M32)).astype(np.uint32))
+    key ^= (seed >> np.uint64(32)).astype(np.uint32)
+    return _mix32_numpy(key)
+
+
+def step_keys(seed_keys_R: np.ndarray, steps: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Row keys (32-bit values in int64): `seed_keys_R` mixed with each row's count of generated tokens."""
+    key = np.asarray(steps).astype(np.uint32)  # the step mod 2^32, like the original & 0xFFFFFFFF
+    key ^= seed_keys_R
+    return _mix32_numpy(key).astype(np.int64)
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -103,30 +119,79 @@ def sample(
     num_rows, vocab = logits_MV.shape
     assert len(params) == num_rows == len(seeds) == len(steps)
     device = logits_MV.device
-    keys_M = _to(torch.from_numpy(sampling_keys(seeds, steps)), device)
-    temperatures_M = _to(torch.tensor([p.temperature for p in params], dtype=torch.float32), device)
+    keys_M = host_to_device(torch.from_numpy(sampling_keys(seeds, steps)), device)
     if not fused:
+        temperatures_M = host_to_device(
+            torch.tensor([p.temperature for p in params], dtype=torch.float32), device
+        )
         return _sample_torch(logits_MV, params, temperatures_M, keys_M)
-    from clawrl.engine.triton_ops import sample_rows
+    return sample_planned(logits_MV, plan_sampling(params, vocab, device), keys_M)
 
-    tokens_M = torch.empty(num_rows, dtype=torch.int64, device=device)
-    logprobs_M = torch.empty(num_rows, dtype=torch.float32, device=device)
+
+@dataclass(kw_only=True, eq=False)
+class SamplingPlan:
+    """How each row of a batch is sampled on the fused path. It depends on the rows' parameters only, so the
+    GPU runner builds it once per batch composition and reuses it while the same sequences decode."""
+
+    temperatures_M: torch.Tensor
+    """fp32 [M] temperatures, on the logits' device."""
+    greedy_rows: torch.Tensor | None
+    """Rows (int64, device) sampled greedily by the Triton kernel; None when there are none."""
+    plain_rows: torch.Tensor | None
+    """Rows with plain temperature sampling (Triton kernel); None when there are none."""
+    filtered_rows: torch.Tensor | None
+    """Rows with top-k / top-p / min-p (torch path); None when there are none."""
+    filtered_params: list[SamplingParams]
+    """The parameters of `filtered_rows`, in order (kept on the host: reading the rows back would sync)."""
+
+
+def plan_sampling(params: list[SamplingParams], vocab: int, device: torch.device) -> SamplingPlan:
+    """Group the rows by how they are sampled and move their temperatures to `device`."""
+    num_rows = len(params)
     groups: dict[str, list[int]] = {"greedy": [], "plain": [], "filtered": []}
-    for i, p in enumerate(params):  # inlined _row_kind: this loop runs over the whole batch every step
+    for i, p in enumerate(params):  # inlined _row_kind: this loop runs over the whole batch
         if p.temperature == 0.0:
             groups["greedy"].append(i)
         elif 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0:
             groups["filtered"].append(i)
         else:
             groups["plain"].append(i)
-    for kind in ("greedy", "plain"):
-        if groups[kind]:
-            rows = _index(groups[kind], num_rows, device)
-            sample_rows(logits_MV, rows, temperatures_M, keys_M, tokens_M, logprobs_M, sample=kind == "plain")
-    if groups["filtered"]:
-        rows = _index(groups["filtered"], num_rows, device)
+    rows = {kind: _index(found, num_rows, device) if found else None for kind, found in groups.items()}
+    return SamplingPlan(
+        greedy_rows=rows["greedy"], plain_rows=rows["plain"], filtered_rows=rows["filtered"],
+        filtered_params=[params[i] for i in groups["filtered"]],
+        temperatures_M=host_to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), device),
+    )  # fmt: skip
+
+
+def sample_planned(
+    logits_MV: torch.Tensor,
+    plan: SamplingPlan,
+    keys_M: torch.Tensor,
+    *,
+    tokens_M: torch.Tensor | None = None,
+    logprobs_M: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused path of `sample` with the rows already grouped: (tokens int64 [M], logprobs fp32 [M]),
+    written into `tokens_M` / `logprobs_M` when given (contiguous device buffers of M entries)."""
+    from clawrl.engine import triton_ops  # imports Triton: only on the fused path
+
+    num_rows = logits_MV.shape[0]
+    device = logits_MV.device
+    if tokens_M is None:
+        tokens_M = torch.empty(num_rows, dtype=torch.int64, device=device)
+    if logprobs_M is None:
+        logprobs_M = torch.empty(num_rows, dtype=torch.float32, device=device)
+    temperatures_M = plan.temperatures_M
+    for rows, is_sampled in ((plan.greedy_rows, False), (plan.plain_rows, True)):
+        if rows is not None:
+            triton_ops.sample_rows(
+                logits_MV, rows, temperatures_M, keys_M, tokens_M, logprobs_M, sample=is_sampled
+            )
+    if plan.filtered_rows is not None:
+        rows = plan.filtered_rows
         tokens, logprobs = _sample_torch(
-            logits_MV[rows], [params[i] for i in groups["filtered"]], temperatures_M[rows], keys_M[rows]
+            logits_MV[rows], plan.filtered_params, temperatures_M[rows], keys_M[rows]
         )
         tokens_M[rows], logprobs_M[rows] = tokens, logprobs
     return tokens_M, logprobs_M
@@ -140,16 +205,21 @@ def _row_kind(p: SamplingParams, vocab: int) -> str:
     return "plain"
 
 
-def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without waiting: a blocking copy would wait for all GPU work queued before it."""
-    return host.to(device, non_blocking=True)
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without waiting for the GPU. A copy from pageable memory waits for all the work
+    queued on the stream (CUDA stages it synchronously), which would stall the overlap schedule; from pinned
+    memory it is only queued. pin_memory() takes the buffer from PyTorch's caching host allocator, which keeps
+    it until the copy has run. The GPU runner uploads its host-built inputs through this too."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _index(rows: list[int], num_rows: int, device: torch.device) -> torch.Tensor:
     # All rows: arange is built on the device without a host-to-device copy of a Python list.
     if len(rows) == num_rows:
         return torch.arange(num_rows, device=device)
-    return _to(torch.tensor(rows, dtype=torch.int64), device)
+    return host_to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def _sample_torch(
@@ -163,7 +233,7 @@ def _sample_torch(
     tokens_M = logits_MV.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if sampled_rows:
-        rows = _to(torch.tensor(sampled_rows), logits_MV.device)
+        rows = host_to_device(torch.tensor(sampled_rows), logits_MV.device)
         scores_RV = scaled_MV[rows] + gumbel_noise(keys_M[rows], logits_MV.shape[1])
         sampled_params = [params[i] for i in sampled_rows]
         if any(_row_kind(p, logits_MV.shape[1]) == "filtered" for p in sampled_params):
@@ -178,9 +248,9 @@ def filter_mask(probs_RV: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """Bool [R, V]: the tokens top_k / top_p / min_p keep (each judged on the unfiltered probs)."""
     vocab = probs_RV.shape[1]
     device = probs_RV.device
-    top_k = _to(torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]), device)
-    top_p = _to(torch.tensor([p.top_p for p in params], dtype=torch.float32), device)
-    min_p = _to(torch.tensor([p.min_p for p in params], dtype=torch.float32), device)
+    top_k = host_to_device(torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]), device)
+    top_p = host_to_device(torch.tensor([p.top_p for p in params], dtype=torch.float32), device)
+    min_p = host_to_device(torch.tensor([p.min_p for p in params], dtype=torch.float32), device)
     keep_RV = torch.ones_like(probs_RV, dtype=torch.bool)
     if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
         sorted_RV, order_RV = probs_RV.sort(dim=-1, descending=True)

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from clawrl.engine.block_manager import BlockManager, chain_block_hashes
-from clawrl.engine.sequence import Sequence, SequenceStatus
+from clawrl.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 
 @dataclass(kw_only=True)
@@ -37,6 +37,11 @@ class ScheduledBatch:
     """Tokens each sequence computes this step, starting at its num_computed_tokens."""
     num_preempted: int = 0
     """Sequences preempted while building this batch."""
+    is_decode: bool = False
+    """Every scheduled sequence computes exactly one token, its last (so every one samples): a decode step."""
+    epoch: int = -1
+    """Scheduler.epoch when the batch was built: equal epochs mean no sequence joined or left the running set
+    in between, so the block table of every sequence in both batches is the same list, only grown."""
 
     @property
     def is_empty(self) -> bool:
@@ -68,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.epoch = 0  # bumped whenever `running` gains or loses a sequence (see ScheduledBatch.epoch)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (FCFS)."""
@@ -80,28 +86,40 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work; allocates the blocks it needs (see the module docstring)."""
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(is_decode=True)  # cleared by the first sequence that is not decoding
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         if batch.num_preempted == 0:
             self._schedule_waiting(batch, budget)
+        batch.is_decode = batch.is_decode and not batch.is_empty
+        batch.epoch = self.epoch
         return batch
 
-    def postprocess(self, batch: ScheduledBatch) -> None:
+    def postprocess(self, batch: ScheduledBatch, *, pending_tokens: bool = False) -> None:
         """After the forward: advance computed counts and publish blocks that became full.
 
         Sequences that finished meanwhile are skipped (with the engine's overlap schedule a step's outputs
-        are processed while the next step already runs, so its sequences can finish in between)."""
+        are processed while the next step already runs, so its sequences can finish in between).
+        `pending_tokens` (overlap schedule): the step's sampled tokens are still on the device, so every
+        sequence that sampled gets a PENDING_TOKEN (logprob NaN) as its last output token meanwhile."""
+        block_size = self.block_manager.block_size
+        finished, nan = SequenceStatus.FINISHED, float("nan")
+        # Runs over the whole batch every step: locals, and the publication call only when a block filled up.
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is finished:
                 continue
-            first_full = seq.num_computed_tokens // self.block_manager.block_size
-            seq.num_computed_tokens += num_new
-            self._publish_full_blocks(seq, first_full)
+            start = seq.num_computed_tokens
+            end = seq.num_computed_tokens = start + num_new
+            if end // block_size > start // block_size:
+                self._publish_full_blocks(seq, start // block_size)
+            if pending_tokens and end == len(seq.prompt_token_ids) + len(seq.output_token_ids):
+                seq.output_token_ids.append(PENDING_TOKEN)
+                seq.output_logprobs.append(nan)
 
     def finish(self, seq: Sequence, finish_reason: dict) -> None:
         """End a sequence (stop, length or abort): free its blocks and drop it from the queues."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.epoch += 1
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._free_blocks(seq)
@@ -118,20 +136,29 @@ class Scheduler:
     # -- running sequences ------------------------------------------------------------------------------
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_output_tokens >= seq.params.max_new_tokens:
-                i += 1  # overlap schedule: its last token is still in flight and it finishes then
-                continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert num_new > 0, "a running sequence always has a token to compute"
-            if not self._grow_or_preempt(seq, seq.num_computed_tokens + num_new, batch):
+        # Runs over every running sequence each step: plain attribute reads, no helper calls in the common case.
+        block_size = self.block_manager.block_size
+        running, seqs, nums = self.running, batch.seqs, batch.num_new_tokens
+        all_decode = True
+        # Preemption only removes sequences after `seq` (the newest), which the iteration then never reaches.
+        for seq in running:
+            if budget <= 0:
+                break
+            num_output = len(seq.output_token_ids)
+            if num_output >= seq.params.max_new_tokens:
+                continue  # overlap schedule: its last token is still in flight and it finishes then
+            computed = seq.num_computed_tokens
+            num_left = len(seq.prompt_token_ids) + num_output - computed
+            assert num_left > 0, "a running sequence always has a token to compute"
+            num_new = num_left if num_left < budget else budget
+            end = computed + num_new
+            if end > len(seq.block_table) * block_size and not self._grow_or_preempt(seq, end, batch):
                 break  # `seq` was the newest and preempted itself; everyone after it is gone too
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            seqs.append(seq)
+            nums.append(num_new)
             budget -= num_new
-            i += 1
+            all_decode = all_decode and num_left == 1
+        batch.is_decode = batch.is_decode and all_decode
         return budget
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
@@ -151,6 +178,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.epoch += 1
         self._free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -170,8 +198,10 @@ class Scheduler:
                 break  # not enough free blocks; FCFS, so nobody behind it goes first
             self.waiting.popleft()
             self.running.append(seq)
+            self.epoch += 1
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
+            batch.is_decode = batch.is_decode and num_new == seq.num_tokens - seq.num_computed_tokens == 1
             budget -= num_new
 
     def _admit(self, seq: Sequence, budget: int) -> int:
@@ -205,9 +235,19 @@ class Scheduler:
         if seq.hash_namespace != namespace:
             seq.block_hashes = []
             seq.hash_namespace = namespace
-        if len(seq.block_hashes) < num_blocks:
-            tokens = seq.token_ids(0, num_blocks * self.block_manager.block_size)
-            chain_block_hashes(seq.block_hashes, tokens, self.block_manager.block_size, num_blocks, namespace)
+        num_hashed = len(seq.block_hashes)
+        if num_hashed < num_blocks:
+            block_size = self.block_manager.block_size
+            # Only the tokens of the blocks still to hash: a decoding sequence adds one block at a time.
+            tokens = seq.token_ids(num_hashed * block_size, num_blocks * block_size)
+            chain_block_hashes(
+                seq.block_hashes,
+                tokens,
+                block_size,
+                num_blocks,
+                namespace,
+                token_offset=num_hashed * block_size,
+            )
         return seq.block_hashes[:num_blocks]
 
     def _publish_full_blocks(self, seq: Sequence, first_block: int) -> None:

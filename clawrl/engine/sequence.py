@@ -26,9 +26,10 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False, slots=True)
 class Sequence:
-    """One sample of one request, with its KV-cache bookkeeping."""
+    """One sample of one request, with its KV-cache bookkeeping. Slotted: the engine reads a few fields of
+    every running sequence several times per step, and slots keep those reads short and the objects compact."""
 
     seq_id: int
     """Engine-wide unique id, increasing with arrival (FCFS order)."""
@@ -66,6 +67,12 @@ class Sequence:
     """The sequence's sampling seed (int): its noise is a hash of it and the token count (sampler.py)."""
     detokenizer: Any = None
     """Incremental detokenizer, only for sequences with stop strings."""
+    max_output_tokens: int = 0
+    """Output count at which a length stop is due: max_new_tokens, or fewer when the context ends first. Set by
+    the engine; with it and `stop_token_set` the engine skips the full stop rules for a token that cannot stop
+    the sequence (0: every token goes through them)."""
+    stop_token_set: frozenset[int] = frozenset()
+    """Token ids that stop this sequence: EOS ids and stop_token_ids, empty with ignore_eos. Set by the engine."""
 
     @property
     def num_tokens(self) -> int:

@@ -1,12 +1,16 @@
-"""StepOutput: what one engine step reports for one sample of one request (re-exported by engine.py)."""
+"""StepOutput: what one engine step reports for one sample of one request (re-exported by engine.py).
+
+An immutable record (a NamedTuple, read by attribute like the other records): the engine builds one per running
+sequence every step, and a tuple is the cheapest record Python can build (see `Engine._apply_tokens`, which
+builds it positionally in field order).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(kw_only=True)
-class StepOutput:
+class StepOutput(NamedTuple):
     """What one step produced for one sample of one request."""
 
     request_id: str

@@ -1,5 +1,5 @@
 """Fused Triton kernels of the engine's GPU step: residual add + RMSNorm, RoPE + KV-cache write, SiLU-and-mul,
-and the one-pass sampler (greedy / temperature) over the vocabulary.
+and the sampler (greedy / temperature) over the vocabulary, split into slices per row and merged.
 
 Shapes: N = tokens, H = hidden size, I = MLP intermediate size, Hq / Hkv = query / KV heads, D = head_dim,
 M = rows of logits, V = vocabulary.
@@ -190,13 +190,16 @@ def _mix32(x):
 
 
 @triton.jit
-def _sample_kernel(
-    logits_ptr, stride_l, rows_ptr, temps_ptr, keys_ptr, tokens_ptr, logprobs_ptr, vocab,
+def _sample_partial_kernel(
+    logits_ptr, stride_l, rows_ptr, temps_ptr, keys_ptr, stats_ptr, index_ptr, vocab, split_len, num_splits,
     SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr, NEG_BIG: tl.constexpr,
 ):  # fmt: skip
-    """One program per listed row: argmax of logits (greedy) or of logits / T + Gumbel noise (SAMPLE), and
-    the chosen token's log_softmax(logits / T), all in one pass over the row."""
-    row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    """Program (i, j): slice j (`split_len` tokens) of listed row i. Over the slice: the running max m and
+    sum s of exp(scaled - m) of scaled = logits / T, and the best score (logits, or scaled + Gumbel noise if
+    SAMPLE) with its token id, ties to the lowest id. Writes stats[i, :, j] = (m, s, best), index[i, j]."""
+    item = tl.program_id(0)
+    split = tl.program_id(1)
+    row = tl.load(rows_ptr + item).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
     if SAMPLE:
         temperature = tl.load(temps_ptr + row)
@@ -207,7 +210,9 @@ def _sample_kernel(
     s_run = tl.full((), 0.0, tl.float32)
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int32)
-    for start in range(0, vocab, BLOCK_V):
+    first = split * split_len
+    for chunk in range(0, split_len, BLOCK_V):
+        start = first + chunk
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < vocab
         scaled = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -224,11 +229,44 @@ def _sample_kernel(
             scores = scaled
         chunk_best = tl.max(scores, 0)
         chunk_idx = start + tl.argmax(scores, 0)
-        best_idx = tl.where(chunk_best > best, chunk_idx, best_idx)
+        best_idx = tl.where(chunk_best > best, chunk_idx, best_idx)  # strict: an equal later score loses
         best = tl.maximum(best, chunk_best)
-    chosen = tl.load(row_ptr + best_idx).to(tl.float32) / temperature
-    tl.store(tokens_ptr + row, best_idx.to(tl.int64))
-    tl.store(logprobs_ptr + row, chosen - m_run - tl.log(s_run))
+    stats = stats_ptr + item.to(tl.int64) * 3 * num_splits + split
+    tl.store(stats, m_run)
+    tl.store(stats + num_splits, s_run)
+    tl.store(stats + 2 * num_splits, best)
+    tl.store(index_ptr + item.to(tl.int64) * num_splits + split, best_idx)
+
+
+@triton.jit
+def _sample_merge_kernel(
+    logits_ptr, stride_l, rows_ptr, temps_ptr, stats_ptr, index_ptr, tokens_ptr, logprobs_ptr, vocab,
+    num_splits, SAMPLE: tl.constexpr, SPLITS_PAD: tl.constexpr, NEG_BIG: tl.constexpr,
+):  # fmt: skip
+    """Program i: combine the slices of listed row i. The token is the best slice's (the lowest id on a tie),
+    its logprob = scaled[token] - logsumexp(scaled), logsumexp = M + log(sum_j s_j exp(m_j - M)), M = max_j m_j."""
+    item = tl.program_id(0)
+    row = tl.load(rows_ptr + item).to(tl.int64)
+    offs = tl.arange(0, SPLITS_PAD)
+    mask = offs < num_splits
+    stats = stats_ptr + item.to(tl.int64) * 3 * num_splits + offs
+    m = tl.load(stats, mask=mask, other=NEG_BIG)
+    s = tl.load(stats + num_splits, mask=mask, other=0.0)
+    best = tl.load(stats + 2 * num_splits, mask=mask, other=float("-inf"))
+    index = tl.load(index_ptr + item.to(tl.int64) * num_splits + offs, mask=mask, other=0)
+    m_all = tl.max(m, 0)
+    s_all = tl.sum(s * tl.exp(m - m_all), 0)
+    # The lowest id among the slices that reach the best score (explicit, not argmax's tie rule). A row of
+    # NaN matches no slice: token 0, as the one-program kernel gave, and no load past the row.
+    token = tl.min(tl.where(mask & (best == tl.max(best, 0)), index, vocab), 0)
+    token = tl.where(token < vocab, token, 0)
+    if SAMPLE:
+        temperature = tl.load(temps_ptr + row)
+    else:
+        temperature = 1.0
+    chosen = tl.load(logits_ptr + row * stride_l + token).to(tl.float32) / temperature
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, chosen - m_all - tl.log(s_all))
 
 
 def sample_rows(
@@ -240,14 +278,30 @@ def sample_rows(
     logprobs_M: torch.Tensor,
     *,
     sample: bool,
+    block_v: int = 2048,
+    split_len: int = 8192,
 ) -> None:
     """Fill tokens_M / logprobs_M at `rows`: greedy argmax (sample=False) or a Gumbel-max draw from
     softmax(logits / T) with the hash noise of `keys_M` (sample=True). logprob = log_softmax(logits / T)
-    of the chosen token (T = 1 for greedy), fp32. Ties go to the lowest token id, like torch.argmax."""
-    assert logits_MV.stride(1) == 1
-    if rows.numel() == 0:
+    of the chosen token (T = 1 for greedy), fp32. Ties go to the lowest token id, like torch.argmax.
+
+    Two launches: each row is cut into slices of `split_len` tokens (a multiple of `block_v`, the tokens a
+    program loads at once), one program per (row, slice), so a batch of a few hundred 152k-token rows keeps
+    every multiprocessor streaming; a second kernel merges each row's slices. Every token's score is computed
+    by the same fp32 operations whatever the slicing, and the maximum is exact, so the sampled token does not
+    depend on `block_v` / `split_len`; the logprob's sum of exponentials is only summed in another order."""
+    assert logits_MV.stride(1) == 1 and split_len % block_v == 0
+    num_items, vocab = rows.numel(), logits_MV.shape[1]
+    if num_items == 0:
         return
-    _sample_kernel[(rows.numel(),)](
-        logits_MV, logits_MV.stride(0), rows, temperatures_M, keys_M, tokens_M, logprobs_M,
-        logits_MV.shape[1], SAMPLE=sample, BLOCK_V=2048, NEG_BIG=-1.0e30, num_warps=8,
+    num_splits = triton.cdiv(vocab, split_len)
+    stats = torch.empty(num_items, 3, num_splits, dtype=torch.float32, device=logits_MV.device)
+    index = torch.empty(num_items, num_splits, dtype=torch.int32, device=logits_MV.device)
+    _sample_partial_kernel[(num_items, num_splits)](
+        logits_MV, logits_MV.stride(0), rows, temperatures_M, keys_M, stats, index, vocab, split_len, num_splits,
+        SAMPLE=sample, BLOCK_V=block_v, NEG_BIG=-1.0e30, num_warps=8,
+    )  # fmt: skip
+    _sample_merge_kernel[(num_items,)](
+        logits_MV, logits_MV.stride(0), rows, temperatures_M, stats, index, tokens_M, logprobs_M, vocab,
+        num_splits, SAMPLE=sample, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), NEG_BIG=-1.0e30, num_warps=1,
     )  # fmt: skip
