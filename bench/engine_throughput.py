@@ -438,6 +438,7 @@ def check_engine(path: Path, args) -> dict:
     ids = {name: [r["output_ids"] for r in out] for name, out in runs.items()}
     result["graph_vs_eager"] = token_agreement(ids["bf16_graph"], ids["bf16_eager"])
     result["distinct_tokens"] = len({t for row in ids["bf16_graph"] for t in row})
+    first_lp = {}  # (side, dtype) -> first-token log-probs of each row's fp32 greedy token
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = load_hf(path, args.device, dtype)
         hf_ids, logits = hf_generate(model, prompts, new_tokens, True, scores=True)
@@ -446,6 +447,9 @@ def check_engine(path: Path, args) -> dict:
         ours = runs[f"{dtype_name}_graph"]
         agreement = token_agreement([r["output_ids"] for r in ours], hf_ids)
         hf_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        first_lp["hf", dtype_name] = [
+            hf_logprobs[row, 0, r["output_ids"][0]].item() for row, r in enumerate(runs["fp32_graph"])
+        ]
         diffs = []
         for row, (r, prefix) in enumerate(zip(ours, agreement["common_prefix"], strict=True)):
             for t in range(min(prefix + 1, new_tokens)):  # up to and including the first disagreement
@@ -456,12 +460,27 @@ def check_engine(path: Path, args) -> dict:
             for row, r in enumerate(ours)
         )
         result[f"engine_vs_hf_{dtype_name}"] = agreement
+    result["bf16_error"] = bf16_error(runs, first_lp)
+    # bf16 against bf16 compares two roundings of a random 24-layer model; what must hold is that the engine's
+    # bf16 is no further from the fp32 truth than transformers' own bf16 is.
     result["ok"] = (
         result["graph_vs_eager"]["identical"]
         and result["engine_vs_hf_fp32"]["fraction"] > 0.9
-        and result["engine_vs_hf_bf16"]["first_token_max_logprob_diff"] < 0.1
+        and result["bf16_error"]["engine"] <= 2 * result["bf16_error"]["hf"] + 0.02
     )
     return result
+
+
+def bf16_error(runs: dict, first_lp: dict) -> dict:
+    """Max |bf16 - fp32| of the first token's log-prob, engine and transformers each against their own fp32,
+    on the rows whose bf16 engine picked the fp32 token (the engine reports only its own token's log-prob)."""
+    fp32, bf16 = runs["fp32_graph"], runs["bf16_graph"]
+    rows = [
+        i for i, (a, b) in enumerate(zip(fp32, bf16, strict=True)) if a["output_ids"][0] == b["output_ids"][0]
+    ]
+    engine = [abs(bf16[i]["logprobs"][0] - fp32[i]["logprobs"][0]) for i in rows]
+    hf = [abs(first_lp["hf", "bf16"][i] - first_lp["hf", "fp32"][i]) for i in range(len(fp32))]
+    return {"engine": max(engine, default=float("nan")), "hf": max(hf), "rows_compared": len(rows)}
 
 
 # -- driver ---------------------------------------------------------------------------------------------------

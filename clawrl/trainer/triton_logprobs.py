@@ -7,7 +7,7 @@ PyTorch path's separate read-multiply-write pass over the chunk when T != 1 (sam
 against.
 
 - `chunk_forward`: one program per row, one read of z. Per lane of a BLOCK_V-wide vector it keeps a running
-  max m, s = sum e^(z - m) and t = sum e^(z - m) (z - m), rescaled when m grows (each element costs one exp:
+  max m (in raw logit units, see the kernel), s = sum e^(z - m) and t = sum e^(z - m) (z - m), rescaled when m grows (each element costs one exp:
   exactly one of "rescale the old sums" and "add the new term" is not a multiply by 1); the lanes are merged
   at the end. Outputs lse = m + log s, logp = (z[target] - m) - log s and, when asked, the entropy
       H = -sum p log p = lse - sum p z = log s - t / s.
@@ -50,34 +50,40 @@ def _forward_kernel(
     """Grid (c,): lse, logp (and entropy) of one row of z."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = z_ptr + row * stride_z
+    # The running max is kept in raw units (h W^T, before the temperature): differences are taken raw and
+    # then scaled, (x - m) * inv_T. Scaling first, x * inv_T - m, lets the compiler fuse it into an FMA that
+    # skips the rounding of x * inv_T, and the max element's own "z - m" then comes out as +-1 ulp of |z|
+    # instead of 0: a slightly positive shifted term, and a peaked row's entropy of -1e-6.
     m_vec = tl.full([BLOCK_V], NEG_BIG, tl.float32)
     s_vec = tl.full([BLOCK_V], 0.0, tl.float32)
     t_vec = tl.full([BLOCK_V], 0.0, tl.float32)
     for start in range(0, vocab, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
-        z = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")) * inv_temperature
-        grows = z > m_vec
-        m_new = tl.maximum(m_vec, z)
-        x = tl.exp(-tl.abs(z - m_vec))  # e^(m_old - z) if z is the new max, else e^(z - m_old); 0 if masked
-        alpha = tl.where(grows, x, 1.0)  # rescales the old sums to the new max
-        e = tl.where(grows, 1.0, x)  # e^(z - m_new)
+        x = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf"))
+        grows = x > m_vec
+        m_new = tl.maximum(m_vec, x)
+        q = tl.exp(
+            -tl.abs(x - m_vec) * inv_temperature
+        )  # e^(z_old_max - z) if x grows the max, else e^(z - z_max)
+        alpha = tl.where(grows, q, 1.0)  # rescales the old sums to the new max
+        e = tl.where(grows, 1.0, q)  # e^(z - z_max_new)
         if WITH_ENTROPY:
-            # z - m_new is -inf on masked lanes (e = 0 there): zero it so that 0 * -inf never makes a NaN.
-            shifted = tl.where(e > 0.0, z - m_new, 0.0)
-            t_vec = alpha * (t_vec + (m_vec - m_new) * s_vec) + e * shifted
+            # x - m_new is -inf on masked lanes (e = 0 there): zero it so that 0 * -inf never makes a NaN.
+            shifted = tl.where(e > 0.0, x - m_new, 0.0) * inv_temperature  # <= 0 exactly
+            t_vec = alpha * (t_vec + (m_vec - m_new) * inv_temperature * s_vec) + e * shifted
         s_vec = s_vec * alpha + e
         m_vec = m_new
     m = tl.max(m_vec, 0)
-    scale = tl.exp(m_vec - m)  # lanes that saw no element: e^(NEG_BIG - m) = 0, and their sums are 0
-    s = tl.sum(s_vec * scale, 0)
+    scale = tl.exp((m_vec - m) * inv_temperature)  # lanes that saw no element: 0, and their sums are 0
+    s = tl.sum(s_vec * scale, 0)  # >= 1: the max's own term is e^0
     log_s = tl.log(s)
     target = tl.load(targets_ptr + row)
     valid = (target >= 0) & (target < vocab)
-    z_target = tl.load(row_ptr + target, mask=valid, other=float("nan")) * inv_temperature
-    tl.store(lse_ptr + row, m + log_s)
-    tl.store(logp_ptr + row, (z_target - m) - log_s)
+    x_target = tl.load(row_ptr + target, mask=valid, other=float("nan"))
+    tl.store(lse_ptr + row, m * inv_temperature + log_s)
+    tl.store(logp_ptr + row, (x_target - m) * inv_temperature - log_s)
     if WITH_ENTROPY:
-        t = tl.sum(scale * (t_vec + (m_vec - m) * s_vec), 0)
+        t = tl.sum(scale * (t_vec + (m_vec - m) * inv_temperature * s_vec), 0)  # <= 0
         tl.store(entropy_ptr + row, log_s - t / s)
 
 

@@ -282,17 +282,18 @@ def test_switched_decoder_matches_eager_hidden_and_every_parameter_gradient(arch
 
 # ------------------------------------------------------------------------------------------ GPU, bf16
 def assert_bf16_at_least_as_accurate_as_eager(fused_fn, eager_fn, inputs, grad_outs, truth_fn=None):
-    """Forward: nearly every element equal to eager bf16 (same rounding steps). Gradients: close to eager and
-    not further from the fp64 truth (`truth_fn`, default eager_fn, on fp64 copies of the inputs) than eager is
-    (the kernels round each gradient once, eager autograd after every op)."""
+    """Outputs and gradients: close to eager bf16 and not further from the fp64 truth (`truth_fn`, default
+    eager_fn, on fp64 copies of the inputs) than eager is (the kernels round once, eager after every op)."""
     got_out, got_grads = outputs_and_grads(fused_fn, inputs, grad_outs)
     want_out, want_grads = outputs_and_grads(eager_fn, inputs, grad_outs)
-    _, true_grads = outputs_and_grads(
+    true_out, true_grads = outputs_and_grads(
         truth_fn or eager_fn, [t.double() for t in inputs], [g.double() for g in grad_outs]
     )
-    for got, want in zip(got_out, want_out, strict=True):
-        assert (got == want).float().mean() > 0.97
+    for got, want, true in zip(got_out, want_out, true_out, strict=True):
+        # Not bitwise: compiled kernels fuse a * b - c into one FMA (RoPE: ~20% of elements an ulp off eager).
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        got_err, want_err = (got.double() - true).norm(), (want.double() - true).norm()
+        assert got_err <= want_err * 1.1 + 1e-6, (got_err, want_err)
     for got, want, true in zip(got_grads, want_grads, true_grads, strict=True):
         # Reductions (d weight sums 8k rows) cancel to near zero in places: tolerance relative to the scale.
         torch.testing.assert_close(got, want, atol=5e-2 * want.abs().max().item(), rtol=5e-2)
