@@ -229,11 +229,12 @@ class TrainActor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        if self.job.train.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.job.train.clip_grad, norm)
         value = float(norm)
         if not math.isfinite(value):
             raise FloatingPointError(f"gradient norm is {value} at optimizer step {self.schedule.step_count}")
+        # Under the limit the clip factor is exactly 1: skip the multiply over every gradient (~3% of a step).
+        if 0 < self.job.train.clip_grad < value:
+            torch.nn.utils.clip_grads_with_norm_(params, self.job.train.clip_grad, norm)
         return value
 
     # ------------------------------------------------------------------------------------------ state

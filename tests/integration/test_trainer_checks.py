@@ -216,3 +216,25 @@ def test_sft_loss_trains_through_the_same_path(policy):
             mask = torch.tensor(batch.loss_masks[i], dtype=torch.float64)
             want += (-(logp * mask).sum() / mask.sum().clamp(min=1)).item() / len(batch)
     assert losses[0] == pytest.approx(want, rel=1e-6)
+
+
+def _grad_norm(grads: dict[str, torch.Tensor]) -> float:
+    return float(torch.cat([g.double().flatten() for g in grads.values()]).norm())
+
+
+def test_clip_grad_scales_gradients_to_the_limit_and_leaves_smaller_ones_alone(policy):
+    # The same first optimizer step three times: unclipped, a limit far above the norm, a limit below it.
+    runs = {}
+    for clip in (0.0, 1e6, 1e-3):
+        with running_actor(make_job(policy, train={"clip_grad": clip})) as actor:
+            recorder = StepRecorder(actor)
+            metrics = actor.train(make_batch())["train"][0]
+            runs[clip] = (metrics["train/grad_norm"], recorder.grads[0])
+    norm, free = runs[0.0]
+    assert norm == pytest.approx(_grad_norm(free), rel=1e-6) and norm > 1e-3
+    assert runs[1e6][0] == norm and all(torch.equal(runs[1e6][1][n], free[n]) for n in free)  # untouched
+    clipped_norm, clipped = runs[1e-3]
+    assert clipped_norm == norm  # the metric is the norm before clipping, as slime logs it
+    assert _grad_norm(clipped) == pytest.approx(1e-3, rel=1e-4)
+    for name in free:  # one common factor, limit / norm
+        torch.testing.assert_close(clipped[name], free[name] * (1e-3 / (norm + 1e-6)), rtol=1e-5, atol=1e-12)
