@@ -3,9 +3,16 @@
 The core (clawrl/engine/engine.py) is single-threaded: `step()` runs one scheduler step. Here one thread
 owns it. Everything else (new requests, aborts, pause/continue, weight updates, release/resume, cache
 flush) is a command put on a thread-safe queue and applied by that thread *between* steps, so the core is
-never touched concurrently and a weight update never lands in the middle of a forward pass. Step outputs
-go back to per-request asyncio queues through `loop.call_soon_threadsafe`; each request's coroutine turns
-its token ids into text (text_stream.IncrementalText) and yields deltas.
+never touched concurrently and a weight update never lands in the middle of a forward pass.
+
+Outputs reach the event loop in at most one hand-off per step (a deque drained by one call_soon_threadsafe
+callback, which also takes what later steps post before it runs); the engine thread never waits for the loop.
+`generate` (streaming) requests get every StepOutput on their asyncio queue; their coroutine turns token ids
+into text (text_stream.IncrementalText) and yields deltas. `generate_full` requests (non-streaming: /generate,
+OpenAI routes, health checks) cost the loop nothing per step: the engine thread adds their StepOutputs to flat
+per-sample lists (request_output.OutputCollector), handed over once when the last sample is done, and the
+text is decoded once. (A rollout's 256 requests would otherwise wake 256 coroutines and decode 256 texts
+every step, holding the GIL that the engine thread needs between GPU steps.)
 
 Deadlines (ARCHITECTURE decision 10): a watchdog thread watches every call into the core; one that runs
 longer than `step_timeout_s` dumps every thread's stack (faulthandler) and fails all waiting requests and
@@ -22,9 +29,11 @@ Usage (inside a running event loop):
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import faulthandler
+import gc
 import logging
 import queue
 import sys
@@ -36,7 +45,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from clawrl.engine.protocol import EngineUnavailableError, RequestError, check_prompt
-from clawrl.engine.request_output import Aborted, GenerationDelta, GenerationResult, RequestStream
+from clawrl.engine.request_output import (
+    Aborted,
+    Collected,
+    GenerationDelta,
+    GenerationResult,
+    OutputCollector,
+    RequestStream,
+    collect_results,
+)
 from clawrl.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,13 +77,25 @@ class _Pending:
 
     prompt_ids: list[int]
     params: SamplingParams
+    collect: bool
+
+
+@dataclass
+class _Live:
+    """A request in the core (engine thread only)."""
+
+    remaining: set[int]
+    """Its unfinished sample indices."""
+    outputs: OutputCollector | None
+    """generate_full: its outputs so far, handed over at the end; None: streamed every step."""
 
 
 class AsyncEngine:
     """Serves one engine core to asyncio code; see the module docstring."""
 
     def __init__(self, engine: Any, *, step_timeout_s: float = 300.0, command_timeout_s: float | None = None,
-                 served_model_name: str | None = None, watchdog_poll_s: float = 0.5) -> None:  # fmt: skip
+                 served_model_name: str | None = None, watchdog_poll_s: float = 0.5,
+                 freeze_gc: bool = True) -> None:  # fmt: skip
         if step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s must be > 0, got {step_timeout_s}")
         self.engine = engine
@@ -77,12 +106,18 @@ class AsyncEngine:
         # A command may wait behind one full step before it runs, so its deadline covers two.
         self.command_timeout_s = command_timeout_s or 2 * step_timeout_s + 30.0
         self.watchdog_poll_s = watchdog_poll_s
+        self.freeze_gc = freeze_gc
+        self._froze_gc = False
         self.context_len = int(engine.context_length)
         self.vocab_size = int(engine.model_args.vocab_size)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop's thread
+        # Request id -> where its events go: a queue (generate) or a future (generate_full). Loop thread only.
+        self._streams: dict[str, asyncio.Queue | asyncio.Future] = {}
+        # Engine thread -> loop: lists of (request id, event); a drain callback is queued and not started.
+        self._outbox: collections.deque[list[tuple[str, Any]]] = collections.deque()
+        self._drain_scheduled = False
         # Below: touched only by the engine thread.
-        self._live: dict[str, set[int]] = {}  # request id -> its unfinished sample indices in the core
+        self._live: dict[str, _Live] = {}
         self._pending: dict[str, _Pending] = {}
         self._paused = False
         self._released: set[str] = set()
@@ -105,6 +140,12 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        if self.freeze_gc:
+            # Millions of objects are loaded (torch, transformers, model): a full GC pass scans them all,
+            # ~0.2 s with every thread stopped, every few hundred steps; frozen, passes skip them.
+            gc.collect()
+            gc.freeze()
+            self._froze_gc = True
         self._thread = threading.Thread(target=self._run, name="clawrl-engine", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="clawrl-engine-watchdog", daemon=True)
         self._thread.start()
@@ -118,6 +159,9 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._fail_everything(EngineUnavailableError("the engine was shut down"))
+        if self._froze_gc:  # the engine's objects may be garbage from now on (tests start many engines)
+            gc.unfreeze()
+            self._froze_gc = False
 
     @property
     def is_alive(self) -> bool:
@@ -157,10 +201,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------------------------------------
     # generation
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[GenerationDelta]:
-        """Stream deltas of all params.n samples (interleaved; each carries its `index`)."""
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> str:
+        """Validate a new request; returns its id (a fresh one when none is given)."""
         self.check_alive()
         rid = request_id or uuid.uuid4().hex
         try:
@@ -171,11 +213,18 @@ class AsyncEngine:
                      max_new_tokens=params.max_new_tokens)  # fmt: skip
         if rid in self._streams:
             raise RequestError(f"rid {rid!r} is already used by a request in flight")
+        return rid
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[GenerationDelta]:
+        """Stream deltas of all params.n samples (interleaved; each carries its `index`)."""
+        rid = self._check_request(prompt_ids, params, request_id)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = stream  # before the add: the first outputs may arrive before the add returns
         state = RequestStream(rid, prompt_ids, params, self.tokenizer, self.weight_version)
         try:
-            await self._call("add", rid=rid, prompt_ids=list(prompt_ids), params=params)
+            await self._call("add", rid=rid, prompt_ids=list(prompt_ids), params=params, collect=False)
             while state.unfinished:
                 event = await stream.get()
                 if isinstance(event, BaseException):
@@ -191,13 +240,22 @@ class AsyncEngine:
     async def generate_full(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> list[GenerationResult]:
-        """Run a request to the end; one result per sample, ordered by index."""
-        results: dict[int, GenerationResult] = {}
-        rid = request_id or uuid.uuid4().hex
-        async for delta in self.generate(prompt_ids, params, rid):
-            result = results.setdefault(delta.index, GenerationResult(request_id=rid, index=delta.index))
-            result.add(delta)
-        return [results[index] for index in sorted(results)]
+        """Run a request to the end; one result per sample, ordered by index: what `generate`'s deltas add up
+        to, handed over once, at the end (see the module docstring)."""
+        rid = self._check_request(prompt_ids, params, request_id)
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._streams[rid] = done  # before the add: the request may finish before the add returns
+        version = self.weight_version
+        collected: Collected | None = None
+        try:
+            await self._call("add", rid=rid, prompt_ids=list(prompt_ids), params=params, collect=True)
+            collected = await done
+        finally:
+            self._streams.pop(rid, None)
+            if collected is None and self._fatal is None and not self._stopping:
+                # The consumer went away (client disconnect, cancellation): free the engine's work.
+                self._submit("abort", rid=rid)
+        return collect_results(rid, prompt_ids, params, self.tokenizer, version, collected)
 
     # ------------------------------------------------------------------------------------------------
     # control (each applied by the engine thread between steps)
@@ -313,16 +371,24 @@ class AsyncEngine:
     def _step(self) -> None:
         with self._busy("step"):
             outputs = self.engine.step()
+        # Runs over the whole batch every step on the engine thread: a dict lookup and an append or an add.
         events: list[tuple[str, Any]] = []
+        live_requests = self._live
         for output in outputs:
-            live = self._live.get(output.request_id)
+            rid = output.request_id
+            live = live_requests.get(rid)
             if live is None:  # aborted here already; the core's late outputs are dropped
                 continue
-            events.append((output.request_id, output))
+            if live.outputs is None:
+                events.append((rid, output))
+            else:
+                live.outputs.add(output)
             if output.finished:
-                live.discard(output.index)
-                if not live:
-                    del self._live[output.request_id]
+                live.remaining.discard(output.index)
+                if not live.remaining:
+                    del live_requests[rid]
+                    if live.outputs is not None:
+                        events.append((rid, Collected(live.outputs, [])))
         self._post(events)
 
     # --- command handlers (engine thread) ---
@@ -330,22 +396,25 @@ class AsyncEngine:
     def _cmd_noop(self) -> None:
         return None
 
-    def _cmd_add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _cmd_add(self, rid: str, prompt_ids: list[int], params: SamplingParams, collect: bool) -> None:
         if rid in self._live or rid in self._pending:
             raise RequestError(f"rid {rid!r} is already used by a request in flight")
         if self._paused or self._released:
-            self._pending[rid] = _Pending(prompt_ids=prompt_ids, params=params)
+            self._pending[rid] = _Pending(prompt_ids=prompt_ids, params=params, collect=collect)
             return
-        self._add_to_core(rid, prompt_ids, params)
+        self._add_to_core(rid, prompt_ids, params, collect)
 
-    def _add_to_core(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _add_to_core(self, rid: str, prompt_ids: list[int], params: SamplingParams, collect: bool) -> None:
         self.engine.add_request(rid, prompt_ids, params)
-        self._live[rid] = set(range(params.n))
+        outputs = OutputCollector(params.n) if collect else None
+        self._live[rid] = _Live(remaining=set(range(params.n)), outputs=outputs)
 
     def _cmd_abort(self, rid: str) -> bool:
         pending = self._pending.pop(rid, None)
         if pending is not None:
-            self._post([(rid, Aborted(list(range(pending.params.n))))])
+            indices = list(range(pending.params.n))
+            collected = Collected(OutputCollector(pending.params.n), indices) if pending.collect else None
+            self._post([(rid, collected or Aborted(indices))])
             return True
         live = self._live.pop(rid, None)
         if live is None:
@@ -353,7 +422,8 @@ class AsyncEngine:
         self.engine.abort_request(rid)
         # Delivered here rather than waiting for the core's abort outputs: those may only come with a
         # later step, and there is none while generation is paused.
-        self._post([(rid, Aborted(sorted(live)))])
+        indices = sorted(live.remaining)
+        self._post([(rid, Aborted(indices) if live.outputs is None else Collected(live.outputs, indices))])
         return True
 
     def _cmd_abort_all(self) -> int:
@@ -377,7 +447,7 @@ class AsyncEngine:
         pending, self._pending = self._pending, {}
         for rid, request in pending.items():
             try:
-                self._add_to_core(rid, request.prompt_ids, request.params)
+                self._add_to_core(rid, request.prompt_ids, request.params, request.collect)
             except Exception as error:
                 self._post([(rid, _as_request_error(error))])
 
@@ -420,20 +490,32 @@ class AsyncEngine:
     # delivery to the event loop
 
     def _post(self, events: list[tuple[str, Any]]) -> None:
+        """Hand events to the loop (engine thread): a drain queued and not started yet takes them too (its
+        flag is cleared before it drains the deque, so no event is left behind)."""
         if not events or self._loop is None:
             return
+        self._outbox.append(events)
+        if self._drain_scheduled:
+            return
+        self._drain_scheduled = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
-            self._loop.call_soon_threadsafe(self._dispatch, events)
+            self._loop.call_soon_threadsafe(self._drain_outbox)
+
+    def _drain_outbox(self) -> None:
+        self._drain_scheduled = False
+        while self._outbox:
+            self._dispatch(self._outbox.popleft())
 
     def _dispatch(self, events: list[tuple[str, Any]]) -> None:
         for rid, event in events:
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream.put_nowait(event)
+            sink = self._streams.get(rid)
+            if sink is not None:
+                _deliver(sink, event)
 
     def _fail_streams(self, error: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(error)
+        self._drain_outbox()  # events posted before the failure first (a finished request keeps its result)
+        for sink in self._streams.values():
+            _deliver(sink, error)
 
     # ------------------------------------------------------------------------------------------------
     # deadlines
@@ -481,6 +563,14 @@ class AsyncEngine:
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._fail_streams, error)
+
+
+def _deliver(sink: asyncio.Queue | asyncio.Future, event: Any) -> None:
+    """To generate's queue: every event. To generate_full's future: its one Collected event, or an error."""
+    if isinstance(sink, asyncio.Queue):
+        sink.put_nowait(event)
+    elif not sink.done():
+        (sink.set_exception if isinstance(event, BaseException) else sink.set_result)(event)
 
 
 def _check_tags(tags: list[str] | None) -> list[str] | None:

@@ -265,35 +265,84 @@ class EngineClient(_Routes):
 
 
 class AsyncEngineClient(_Routes):
-    """asyncio client (httpx.AsyncClient): every method is awaited; streams are then async-iterated."""
+    """asyncio client (httpx.AsyncClient): every method is awaited; streams are then async-iterated.
 
-    def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    Concurrent calls are spread over several connection pools (httpx.AsyncClient), each carrying at most
+    `connections_per_pool` calls at a time; more pools open as needed, so any number of calls run at once
+    (the caller bounds the concurrency: EngineRouter's max_concurrent_requests). One pool would not do:
+    httpx's default limit of 100 connections would hold a rollout's 256 requests back in the client (the
+    engine would batch only 100 of them), and without the limit httpcore's pool does work quadratic in its
+    connections at every request start and end (~10 ms of CPU per engine step at 256 requests:
+    bench/rollout_http_overhead.py).
+    """
+
+    def __init__(
+        self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S, *, connections_per_pool: int = 16
+    ) -> None:
+        if connections_per_pool < 1:
+            raise ValueError(f"connections_per_pool must be >= 1, got {connections_per_pool}")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
+        self.connections_per_pool = connections_per_pool
+        self._pools: list[httpx.AsyncClient] = []
+        self._in_use: list[int] = []  # calls in flight per pool
+        self._ssl_context: Any = None  # shared by the pools: building one loads the CA bundle (~20 ms)
+
+    @property
+    def num_pools(self) -> int:
+        """Connection pools opened so far (the most calls ever in flight at once / connections_per_pool)."""
+        return len(self._pools)
+
+    def _acquire(self) -> int:
+        """The pool for a new call: the least busy one, or a new one when all are full."""
+        in_use = self._in_use
+        index = min(range(len(in_use)), key=in_use.__getitem__, default=-1)
+        if index < 0 or in_use[index] >= self.connections_per_pool:
+            # No connection limit of its own: the accounting here only spreads the load.
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.connections_per_pool)
+            if self._ssl_context is None:
+                self._ssl_context = httpx.create_ssl_context()
+            pool = httpx.AsyncClient(
+                base_url=self.base_url, timeout=self.timeout, limits=limits, verify=self._ssl_context
+            )
+            self._pools.append(pool)
+            in_use.append(0)
+            index = len(in_use) - 1
+        in_use[index] += 1
+        return index
+
+    def _release(self, index: int) -> None:
+        self._in_use[index] -= 1
 
     async def _call(self, method: str, path: str, body: dict | None = None, *, stream: bool = False,
                     timeout: float | None = None) -> Any:  # fmt: skip
         timeout = self.timeout if timeout is None else timeout
         route = f"{method} {self.base_url}{path}"
+        index = self._acquire()
+        client, streaming = self._pools[index], False
         try:
             if stream:
-                request = self._client.build_request(method, path, json=body, timeout=timeout)
-                response = await self._client.send(request, stream=True)
+                request = client.build_request(method, path, json=body, timeout=timeout)
+                response = await client.send(request, stream=True)
                 if response.is_error:
                     await response.aread()
                     await response.aclose()
                     raise _http_error(route, response)
-                return self._events(route, response, timeout)
-            response = await self._client.request(method, path, json=body, timeout=timeout)
+                streaming = True  # the stream releases the pool when it ends
+                return self._events(route, response, timeout, index)
+            response = await client.request(method, path, json=body, timeout=timeout)
         except httpx.HTTPError as error:
             raise _transport_error(route, error, timeout) from error
+        finally:
+            if not streaming:
+                self._release(index)
         if response.is_error:
             raise _http_error(route, response)
         return response.json()
 
-    @staticmethod
-    async def _events(route: str, response: httpx.Response, timeout: float) -> AsyncIterator[Any]:
+    async def _events(
+        self, route: str, response: httpx.Response, timeout: float, index: int
+    ) -> AsyncIterator[Any]:
         try:
             async for line in response.aiter_lines():
                 payload = _sse_payload(route, line)
@@ -304,10 +353,12 @@ class AsyncEngineClient(_Routes):
         except httpx.HTTPError as error:
             raise _transport_error(route, error, timeout) from error
         finally:
+            self._release(index)
             await response.aclose()
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for pool in self._pools:
+            await pool.aclose()
 
     async def __aenter__(self) -> AsyncEngineClient:
         return self

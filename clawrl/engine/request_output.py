@@ -1,8 +1,12 @@
 """What a request produces: per-step deltas, per-sample results, and the state that makes them.
 
-The engine thread hands each request's coroutine core `StepOutput`s (clawrl/engine/engine.py) or `Aborted`
-events; `RequestStream` turns them into `GenerationDelta`s (token ids, logprobs, text, weight version) and
-`GenerationResult.add` accumulates deltas into a sample's result.
+Streaming requests: the engine thread hands the request's coroutine core `StepOutput`s
+(clawrl/engine/engine.py) or `Aborted` events; `RequestStream` turns them into `GenerationDelta`s (token
+ids, logprobs, text, weight version) and `GenerationResult.add` accumulates deltas into a sample's result.
+
+Non-streaming requests: the engine thread keeps the request's StepOutputs and hands them over once, as a
+`Collected` event, when the last sample is done; `collect_results` builds the same GenerationResults that
+the deltas would have added up to, decoding each sample's text once instead of once per step.
 """
 
 from __future__ import annotations
@@ -89,6 +93,107 @@ class Aborted:
     indices: list[int]
 
 
+class OutputCollector:
+    """What the core produced for one non-streaming request, kept as flat per-sample lists (the engine
+    thread adds every StepOutput; no per-step object outlives the step: holding a rollout's ~65k
+    StepOutputs until the end makes the garbage collector's full passes ~100 ms pauses)."""
+
+    __slots__ = ("samples", "last")
+
+    def __init__(self, n: int) -> None:
+        self.samples = [_SampleOutputs() for _ in range(n)]
+        self.last: Any = None
+        """The latest StepOutput of any sample (the request's token counts for an aborted sample)."""
+
+    def add(self, output: Any) -> None:
+        """One StepOutput (engine thread, every step: kept short). Outputs of a finished sample are
+        ignored, as RequestStream ignores them."""
+        sample = self.samples[output.index]
+        if sample.finished:
+            return
+        sample.token_ids += output.token_ids
+        sample.logprobs += output.logprobs
+        if output.weight_version != sample.weight_version:
+            sample.weight_version = output.weight_version
+            sample.version_starts.append(
+                (len(sample.token_ids) - len(output.token_ids), str(output.weight_version))
+            )
+        sample.last = self.last = output
+        sample.finished = output.finished
+
+
+class _SampleOutputs:
+    """One sample's tokens so far (OutputCollector)."""
+
+    __slots__ = ("token_ids", "logprobs", "weight_version", "version_starts", "last", "finished")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.weight_version: Any = None
+        self.version_starts: list[tuple[int, str]] = []  # (first token, weight version) at each change
+        self.last: Any = None  # its latest StepOutput
+        self.finished = False
+
+    def weight_versions(self) -> list[str]:
+        """The weight version of each token."""
+        if not self.version_starts:
+            return []
+        bounds = [start for start, _ in self.version_starts[1:]] + [len(self.token_ids)]
+        versions: list[str] = []
+        for (start, version), end in zip(self.version_starts, bounds, strict=True):
+            versions += [version] * (end - start)
+        return versions
+
+
+@dataclass
+class Collected:
+    """Event for a non-streaming request's coroutine, sent once, when every sample is done."""
+
+    outputs: OutputCollector
+    """Everything the core produced for the request."""
+    aborted: list[int]
+    """Samples aborted before they finished (no further tokens)."""
+
+
+def collect_results(
+    rid: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Any, weight_version: str,
+    collected: Collected,
+) -> list[GenerationResult]:  # fmt: skip
+    """The per-sample results (ordered by index) that RequestStream's deltas add up to for the same
+    events: a finished sample takes the token counts and version of its last output; an aborted one keeps
+    its tokens and version and takes the request's latest token counts; the text is decoded with the same
+    prompt context and stop trimming (IncrementalText), in one push of the whole output."""
+    last = collected.outputs.last
+    request_counts = (len(prompt_ids), 0) if last is None else (last.prompt_tokens, last.cached_tokens)
+    aborted = set(collected.aborted)
+    results = []
+    for index, sample in enumerate(collected.outputs.samples):
+        result = GenerationResult(
+            request_id=rid, index=index, output_ids=sample.token_ids, logprobs=sample.logprobs,
+            weight_versions=sample.weight_versions(), weight_version=weight_version,
+        )  # fmt: skip
+        if sample.last is not None:
+            result.weight_version = str(sample.last.weight_version)
+            result.prompt_tokens, result.cached_tokens = sample.last.prompt_tokens, sample.last.cached_tokens
+        if sample.finished:
+            result.finish_reason = sample.last.finish_reason
+        else:
+            assert index in aborted, f"request {rid}: sample {index} neither finished nor aborted"
+            result.finish_reason = {"type": "abort"}
+            result.prompt_tokens, result.cached_tokens = request_counts
+        result.text = _text_stream(tokenizer, prompt_ids, params).push(
+            result.output_ids, result.finish_reason
+        )
+        results.append(result)
+    return results
+
+
+def _text_stream(tokenizer: Any, prompt_ids: list[int], params: SamplingParams) -> IncrementalText:
+    stops = {"stop": params.stop, "no_stop_trim": params.no_stop_trim}
+    return IncrementalText(tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens, **stops)
+
+
 class RequestStream:
     """Per-request state on the event loop: turns core StepOutputs (and aborts) into GenerationDeltas,
     with one text decoder per sample, and knows which samples are still running."""
@@ -101,10 +206,7 @@ class RequestStream:
         self.prompt_tokens = len(prompt_ids)
         self.cached_tokens = 0
         self.versions = [weight_version] * params.n
-        stops = dict(
-            skip_special_tokens=params.skip_special_tokens, stop=params.stop, no_stop_trim=params.no_stop_trim
-        )
-        self.texts = [IncrementalText(tokenizer, prompt_ids, **stops) for _ in range(params.n)]
+        self.texts = [_text_stream(tokenizer, prompt_ids, params) for _ in range(params.n)]
 
     def deltas(self, event: Any) -> list[GenerationDelta]:
         """Deltas for one event: a core StepOutput, or Aborted."""
