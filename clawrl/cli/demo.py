@@ -2,8 +2,11 @@
 
     clawrl demo [--output-dir outputs/demo] [--seed 0]
 
-See clawrl/demo/run.py for what it does. On 2 CPU cores it takes a few minutes; the last line prints the
-eval accuracy before and after RL and the path of the report.
+Builds a tiny tokenizer and a random tiny Qwen2-style model locally (no download), writes arithmetic word
+problems with gsm8k-style labels, warms the model up with the SFT loss, then runs GRPO through the real
+stack: Ray, an engine actor serving HTTP, an FSDP2 trainer actor, weight sync after every step, eval on 200
+held-out problems before RL and every 5 rollouts. On 2 CPU cores it takes about 3 minutes; the last line
+prints the eval accuracy before and after RL and the path of the report (PNG plots + index.html).
 """
 
 from __future__ import annotations
