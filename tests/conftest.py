@@ -1,4 +1,5 @@
-"""Shared pytest setup: GPU tests are skipped where CUDA is absent; Ray runs without token auth."""
+"""Shared pytest setup: GPU tests are skipped where CUDA is absent; Ray runs without token auth; the
+`one_torch_thread` fixture (module scope) for files of tiny models."""
 
 import os
 
@@ -19,3 +20,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for the module's tests: tiny matmuls gain nothing from a second thread on a shared
+    2-core machine, and a second OpenMP thread competing with another process makes every op far slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -36,25 +36,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clawrl.models.tiny_corpus import NAMES as CORPUS_NAMES
+
 KINDS = ("add", "sub", "mul", "add_sub")
 _MAX_CONSECUTIVE_DUPLICATES = 1000
 
-_NAMES = (
-    "Tom",
-    "Anna",
-    "Ben",
-    "Lily",
-    "Sam",
-    "Mia",
-    "Jack",
-    "Emma",
-    "Leo",
-    "Zoe",
-    "Max",
-    "Ava",
-    "Noah",
-    "Ella",
-)
+# The first 14 names of the tiny tokenizer's training corpus (clawrl.models.tiny_corpus), so they tokenize well.
+_NAMES = tuple(CORPUS_NAMES[:14])
 _ITEMS = ("apples", "pencils", "books", "marbles", "cookies", "stickers", "cards", "eggs", "shells", "coins")
 _ITEMS += ("balloons", "flowers", "candies", "toys", "stamps", "cupcakes")
 _CONTAINERS = ("bags", "boxes", "jars", "baskets", "packs")

@@ -41,14 +41,7 @@ def make_checkpoint(path, seed):
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls gain nothing from intra-op threads, and on a shared 2-core machine the spinning of a
-    # second OpenMP thread makes every op ~40x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from clawrl.engine.sampling_params import SamplingParams
 from clawrl.engine.sequence import PENDING_TOKEN
@@ -16,13 +15,7 @@ from clawrl.models.loader import iter_safetensors
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine_core import PROMPTS, assert_same, make_checkpoint, make_engine, mixed_params  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import torch
+from cpu_server import cpu_server
 
 from clawrl.engine.async_engine import AsyncEngine
 from clawrl.engine.client import AsyncEngineClient, EngineClient, EngineClientError
@@ -23,7 +24,6 @@ from clawrl.engine.config import EngineConfig
 from clawrl.engine.engine import Engine
 from clawrl.engine.protocol import EngineUnavailableError
 from clawrl.engine.sampling_params import SamplingParams
-from clawrl.engine.server import ServerThread, create_app
 from clawrl.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -54,8 +54,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models):
-    engine = Engine(EngineConfig(model_path=models[0], device="cpu", dtype="float32"))
-    with ServerThread(create_app(AsyncEngine(engine, step_timeout_s=120))) as running:
+    with cpu_server(models[0]) as running:
         yield running
 
 

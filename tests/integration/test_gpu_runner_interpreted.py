@@ -13,7 +13,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent.parent / "unit"))
 sys.path.insert(0, str(Path(__file__).parent))
 import pytest
-import torch
 from interpreted_triton import DEVICE, replace_tests_if_triton_was_imported_too_early  # noqa: E402  (before any triton import)
 from test_engine_core import PROMPTS, make_checkpoint
 
@@ -27,12 +26,7 @@ from clawrl.engine.sampling_params import SamplingParams
 PROMPTS = PROMPTS[:3]  # 3, 7 and 12 tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,11 @@ import gc
 import time
 
 import pytest
+from cpu_server import cpu_server
 
 from clawrl.engine.async_engine import AsyncEngine
 from clawrl.engine.client import AsyncEngineClient, EngineClient
-from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
 from clawrl.engine.request_output import Collected
-from clawrl.engine.server import ServerThread, create_app
 from clawrl.engine.step_output import StepOutput
 from clawrl.models.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -28,8 +26,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server-batching")
     path = build_tiny_model(root / "m", vocab_size=2048, seed=3, tokenizer=build_tiny_tokenizer(2048),
                             tie_word_embeddings=False)  # fmt: skip
-    engine = Engine(EngineConfig(model_path=str(path), device="cpu", dtype="float32"))
-    with ServerThread(create_app(AsyncEngine(engine, step_timeout_s=120))) as running:
+    with cpu_server(path) as running:
         yield running
 
 
@@ -142,10 +139,9 @@ def test_async_client_gets_more_than_100_requests_to_the_engine_at_once(server, 
 def test_the_heap_is_frozen_while_serving_and_unfrozen_after(server, tmp_path):
     assert gc.get_freeze_count() > 0  # the module's server froze what was loaded: engine, model, modules
     path = build_tiny_model(tmp_path / "m", vocab_size=512, seed=1, tokenizer=build_tiny_tokenizer(512))
-    engine = Engine(EngineConfig(model_path=str(path), device="cpu", dtype="float32"))
     gc.unfreeze()  # the module's server froze the heap; this test needs a clean start
     try:
-        with ServerThread(create_app(AsyncEngine(engine, step_timeout_s=60))) as running:
+        with cpu_server(path, step_timeout_s=60) as running:
             assert gc.get_freeze_count() > 0
             with EngineClient(running.url) as other:
                 assert (

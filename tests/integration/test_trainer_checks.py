@@ -36,14 +36,7 @@ from clawrl.trainer.checkpoint import CheckpointError
 from clawrl.trainer.packing import PackingError
 from clawrl.trainer.rl_step import compute_log_probs, plan_steps
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls gain nothing from a second thread on a shared 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,7 @@ from clawrl.models.attention import VarlenAttention
 from clawrl.trainer.hf_model import HFCausalLM, load_hf_model
 from clawrl.trainer.rl_step import compute_log_probs, plan_steps
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,7 @@ from trainer_reference import full_weights, make_batch, make_job, running_actor,
 
 from clawrl.trainer.weights import local_tensor
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

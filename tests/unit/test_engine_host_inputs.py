@@ -32,12 +32,7 @@ from clawrl.models.tiny import build_tiny_model
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 6], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

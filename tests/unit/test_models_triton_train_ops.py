@@ -11,8 +11,6 @@ tests/unit/test_triton_compile.py for why that is a separate check). Run by hand
 
 import copy
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from interpreted_triton import (  # before clawrl.models.triton_train_ops: sets 
     ON_GPU,
     replace_tests_if_triton_was_imported_too_early,
 )
+from sm90_compile import compiling_for_sm90, run_compile_script
 
 from clawrl.models.attention import VarlenAttention
 from clawrl.models.config import ModelArgs
@@ -364,34 +363,12 @@ KERNELS = ["_rms_norm_bwd_kernel", "_rms_norm_fwd_kernel", "_rotary_kernel", "_s
 
 def compile_every_kernel_for_sm90() -> list[str]:
     """Run each op forward and backward at 1.5B shapes on CPU tensors, every launch compiling for sm_90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    with compiling_for_sm90() as compiled:
+        _drive_every_kernel()
+    return compiled
 
-    compiled: list[str] = []
-    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 
-    def signature_of(value) -> str:
-        if isinstance(value, torch.Tensor):
-            return pointer[value.dtype]
-        if isinstance(value, int):
-            return "i32" if -(2**31) <= value < 2**31 else "i64"
-        return "fp32"
-
-    def compiling_launch(self, grid):
-        def launch(*args, **kwargs):
-            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-            values = dict(zip(self.arg_names, args, strict=False)) | kwargs
-            constexprs = {p.name: values[p.name] for p in self.params if p.is_constexpr}
-            signature = {n: "constexpr" if n in constexprs else signature_of(v) for n, v in values.items()}
-            source = ASTSource(fn=self, signature=signature, constexprs=constexprs)
-            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-            compiled.append(self.fn.__name__)
-
-        return launch
-
-    JITFunction.__getitem__ = compiling_launch
+def _drive_every_kernel() -> None:
     cos, sin = RotaryEmbedding(128, 64, 10000.0, None)(torch.arange(8))
     for dtype in (torch.bfloat16, torch.float32):
         ops = [
@@ -405,18 +382,10 @@ def compile_every_kernel_for_sm90() -> list[str]:
             outs = fn(*inputs)
             outs = outs if isinstance(outs, tuple) else (outs,)
             torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
-    return compiled
 
 
 def test_every_kernel_compiles_for_sm90():
-    # "0", not unset: interpreted_triton (imported by this file) would set it to 1 on a machine without CUDA.
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's notice; 1 is the default
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    compiled = proc.stdout.split()
+    compiled = run_compile_script(__file__)
     assert sorted(set(compiled)) == KERNELS
     assert len(compiled) == 2 * (2 * 2 + 2 + 4)  # per dtype: 2 norms x fwd/bwd, silu fwd/bwd, q/k x fwd/bwd
 

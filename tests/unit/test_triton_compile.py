@@ -9,45 +9,21 @@ loop-carried type changes); this catches those before a GPU run does. Run by han
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
+from sm90_compile import compiling_for_sm90, run_compile_script
 
 
 def compile_all_kernels() -> list[str]:
     """Drive every wrapper with 0.5B-shaped CPU tensors; each launch compiles for sm_90 instead of running."""
+    with compiling_for_sm90() as compiled:
+        _drive_all_kernels()
+    return compiled
+
+
+def _drive_all_kernels() -> None:
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
 
-    compiled: list[str] = []
-
-    def signature_of(value) -> str:
-        if isinstance(value, torch.Tensor):
-            return "*" + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64",
-                          torch.int32: "i32", torch.float16: "fp16"}[value.dtype]  # fmt: skip
-        if isinstance(value, bool):
-            return "i1"
-        if isinstance(value, int):
-            return "i32" if -(2**31) <= value < 2**31 else "i64"
-        return "fp32"
-
-    def fake_getitem(self, grid):
-        def launch(*args, **kwargs):
-            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-            values = dict(zip(self.arg_names, args, strict=False)) | kwargs
-            constexprs = {p.name: values[p.name] for p in self.params if p.is_constexpr}
-            signature = {n: "constexpr" if n in constexprs else signature_of(v) for n, v in values.items()}
-            source = ASTSource(fn=self, signature=signature, constexprs=constexprs)
-            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-            compiled.append(self.fn.__name__)
-
-        return launch
-
-    JITFunction.__getitem__ = fake_getitem
     from clawrl.engine import triton_attention as attention
     from clawrl.engine import triton_ops as ops
     from clawrl.models.layers import RotaryEmbedding
@@ -74,18 +50,11 @@ def compile_all_kernels() -> list[str]:
     logits = torch.zeros(n, vocab, dtype=torch.bfloat16)
     for sample in (False, True):
         ops.sample_rows(logits, lens, torch.ones(n), lens, lens, torch.ones(n), sample=sample)
-    return compiled
 
 
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's notice; 1 is the default
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    compiled = proc.stdout.split()
+    compiled = run_compile_script(__file__)
     assert sorted(set(compiled)) == [
         "_add_rmsnorm_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
         "_rotary_cache_kernel", "_sample_merge_kernel", "_sample_partial_kernel", "_silu_and_mul_kernel",
