@@ -156,3 +156,28 @@ def test_batched_reward_mixes_builtin_types():
         Sample(response="#### 1,000", label="1000", metadata={"rm_type": "gsm8k"}),
     ]
     assert asyncio.run(batched_reward(samples, fn)) == [1.0, 0.0, 1.0]
+
+
+def test_custom_rm_path_beats_a_samples_rm_type_as_in_slime(plugin_file):
+    # slime's order: sample.custom_rm_path, then --custom-rm-path, then metadata["rm_type"], then --rm-type.
+    fn = build_reward_fn(custom_rm_path=f"{plugin_file}:clawrl_style", rm_type="math")
+    sample = Sample(response="#### 5 apples", label="5", metadata={"rm_type": "gsm8k"})
+    assert _run(fn, sample) == 13.0  # len(response), not gsm8k's 1.0
+    by_path = Sample(response="#### 5", label="5", custom_rm_path=f"{plugin_file}:sync_style")
+    assert _run(fn, by_path) == 0.0  # the sample's own path still wins
+
+
+def test_samples_rm_type_is_stripped_and_ignored_when_empty():
+    default = build_reward_fn(rm_type="f1")
+    padded = Sample(response="#### 5 apples", label="5", metadata={"rm_type": " gsm8k "})
+    blank = Sample(response="#### 5 apples", label="5", metadata={"rm_type": "  "})
+    assert _run(default, padded) == 1.0  # gsm8k
+    assert _run(default, blank) == pytest.approx(2 / 3)  # f1: "5 apples" vs "5"
+
+
+@pytest.mark.parametrize("rm_type", ["math", "deepscaler"])
+def test_text_answers_are_case_insensitive_for_math_graders(rm_type):
+    # slime's math grader lower-cases text answers: \boxed{monday} is right for "Monday".
+    response = r"<think>which day?</think> It is \boxed{monday}."
+    assert _run(build_reward_fn(rm_type=rm_type), Sample(response=response, label="Monday")) == 1.0
+    assert _run(build_reward_fn(rm_type=rm_type), Sample(response=response, label="Tuesday")) == 0.0

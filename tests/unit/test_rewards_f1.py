@@ -20,6 +20,14 @@ F1_CASES = [
     ("noanswer", "no answer", 0.0),
     ("anything", "", 0.0),  # empty label
     ("new york city", ["boston", "New York"], 0.8),  # best of several labels: P = 2/3, R = 1
+    ("Paris<|im_end|>", "paris", 1.0),  # end-of-turn token stripped
+    ("yes</s>", "yes", 1.0),
+    ("The cat sat<|eot_id|>", "cat sat on mat", 2 / 3),
+    ("a an the", "the", 0.0),  # only articles: nothing left to share
+    ("New  York\n", "new york", 1.0),  # whitespace collapsed
+    ("no", "No.", 1.0),
+    ("noanswer", "noanswer", 1.0),
+    ("anything", None, 0.0),  # no label
 ]
 
 

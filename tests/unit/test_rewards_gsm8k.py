@@ -31,6 +31,10 @@ GSM8K_CASES = [
     ("The answer is 42", None, 0.0),
     ("The answer is 42", "forty-two", 0.0),  # non-numeric label
     ("0.5 of them, i.e. .5", "0.5", 1.0),
+    ("#### 18<|im_end|>", "18", 1.0),  # end-of-turn tokens stripped
+    ("The answer is 18.<|eot_id|>", "#### 18", 1.0),
+    ("The answer is 18</s>", "18", 1.0),
+    ("The answer is 18<end_of_turn>", "18", 1.0),
 ]
 
 

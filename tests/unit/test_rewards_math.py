@@ -70,7 +70,73 @@ MATH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("response,label,expected", MATH_CASES)
+# What slime's `math` grader (Hendrycks string normalisation, then a case-insensitive normalisation with sympy)
+# accepts or rejects; each line names the rule of slime's that decides it.
+SLIME_MATH_CASES = [
+    # (response, label, reward)
+    (r"\boxed{monday}", "Monday", 1.0),  # text answers are not case sensitive
+    (r"\boxed{\text{MONDAY}}", "monday", 1.0),
+    (r"\boxed{\mathrm{Monday}}", "MONDAY", 1.0),
+    (r"\boxed{\textbf{Yes}}", "yes", 1.0),
+    (r"\boxed{B}", "b", 1.0),
+    (r"\boxed{\text{(B)}}", "B", 1.0),  # "(b)" and "b" are equal under sympy
+    (r"\boxed{X+1}", "x+1", 1.0),  # lower-cased before sympy too
+    (r"\boxed{tuesday}", "Monday", 0.0),
+    (r"\boxed{silent}", "listen", 0.0),  # more than two unknown letters: never given to sympy
+    (r"\boxed{a+b+c}", "c+b+a", 0.0),  # the same rule
+    (r"\boxed{10\text{ apples}}", "10", 1.0),  # a trailing "\text{ ..." names the unit
+    (r"\boxed{12\text{ square feet}}", "12", 1.0),
+    (r"\boxed{2 \text{ and } 3}", "2, 3", 1.0),  # " and " / " or " separate answers
+    (r"\boxed{3 or 4}", "3,4", 1.0),
+    (r"\boxed{2 and 3}", "2, 4", 0.0),
+    (r"\boxed{2\text{and}3}", "2, 3", 0.0),  # only a spaced " and " separates
+    (r"\boxed{7\frac{3}{4}}", r"\frac{31}{4}", 1.0),  # a mixed number is a sum
+    (r"\boxed{7 3/4}", "7.75", 1.0),
+    (r"\boxed{7\frac{3}{4}}", r"\frac{21}{4}", 0.0),  # ... not a product
+    (r"\boxed{\{1, 2\}}", "1, 2", 1.0),  # braces are dropped
+    (r"\boxed{\left\{1,2\right\}}", "1,2", 1.0),
+    (r"\boxed{\dfrac{\pi}{2}}", r"\frac{\pi}{2}", 1.0),
+    (r"\boxed{\frac{9}{4}\pi}", r"\frac{9\pi}{4}", 1.0),  # sympy
+    (r"\boxed{x^{2}}", "x^2", 1.0),
+    (r"\boxed{1.5}", r"\frac{3}{2}", 1.0),
+    (r"\boxed{100}", "100.00", 1.0),
+    (r"\boxed{5.0}", "5", 1.0),
+    (r"\boxed{1,000,000}", "1000000", 1.0),
+    (r"\boxed{3\times 10^5}", "300000", 0.0),  # an integer label needs an integer literal
+    (r"\boxed{\sqrt{9}}", "3", 0.0),
+    (r"\boxed{\sqrt{18}}", r"3\sqrt{2}", 1.0),
+    (r"\boxed{50}", r"50\%", 1.0),
+    (r"\boxed{10\%}", "0.1", 0.0),
+    (r"\boxed{30\text{ degrees}}", "30", 1.0),
+    (r"\boxed{30^\circ}", r"30^{\circ}", 1.0),
+    (r"\boxed{k = 5}", "5", 1.0),  # a short "name =" prefix is dropped
+    (r"\boxed{5}", "x=5", 1.0),
+    (r"\boxed{(-\infty, 2]}", r"(-\infty,2]", 1.0),
+    (r"\boxed{[1, 2)}", "[1,2]", 0.0),
+    (r"\boxed{\pi}", "3.14159", 0.0),
+    (r"\boxed{\frac{1}{3}}", "0.33", 0.0),
+    (r"\boxed{\tfrac{1}{4}}", "0.25", 1.0),
+    (r"\boxed{-5}", "- 5", 1.0),
+    (r"\boxed{2x}", "2*x", 1.0),
+]
+
+
+# Where clawrl differs from slime on purpose (each is a line in docs/rewards.md).
+DELIBERATE_DIFFERENCE_CASES = [
+    (r"\boxed{0}", 0, 1.0),  # slime: a falsy label scores every response 0
+    (r"\fbox{12}", "12", 1.0),  # slime: no answer in \fbox
+    (r"\boxed 12", "12", 1.0),  # slime: no answer in the brace-less form
+    (r"\boxed 12<|im_end|>", "12", 1.0),  # ... which runs to the end, so the end token must go first
+    (r"\boxed{-7\frac{3}{4}}", r"-\frac{31}{4}", 1.0),  # slime: -7 + 3/4
+    (r"\boxed{1\,000}", "1000", 1.0),  # slime: 1 + 000
+    (r"\boxed{7 3/4}", "73/4", 0.0),  # slime accepts it through its first normalisation
+    (r"\boxed{\pi+\sqrt{x}}", r"\sqrt{x}+\pi", 1.0),  # slime counts p and i as unknowns: too many
+]
+
+
+@pytest.mark.parametrize(
+    "response,label,expected", MATH_CASES + SLIME_MATH_CASES + DELIBERATE_DIFFERENCE_CASES
+)
 def test_math_reward(response, label, expected):
     assert _math(response, label) == expected
 
@@ -86,6 +152,14 @@ def test_math_reward(response, label, expected):
         (r"x = \frac{3}{4}\,\text{cm}", r"\frac{3}{4}"),
         ("2m+1", "2m+1"),  # a one-letter unit is only dropped inside \text{}
         ("(1,000, 2)", "(1,000,2)"),  # commas inside a tuple are not thousands separators
+        (r"\text{Monday}", "monday"),  # text is lower-cased ...
+        (r"\Delta ABC", r"\Deltaabc"),  # ... but not LaTeX command names
+        ("7 3/4", r"7\frac{3}{4}"),  # mixed number, not 73/4
+        (r"\{1, 2\}", "1,2"),
+        (r"10\text{ apples}", "10"),
+        (r"\text{ apples}", "apples"),  # a \text{ } with nothing before it is the answer itself
+        (r"2 \text{ or } 3", "2,3"),
+        (r"\cfrac{1}{2}", r"\frac{1}{2}"),
     ],
 )
 def test_normalise_answer(raw, normalised):

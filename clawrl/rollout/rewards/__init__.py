@@ -1,6 +1,7 @@
 """Reward functions and their dispatch: `--rm-type`, `--custom-rm-path`, and per-sample overrides.
 
-A reward function is `async def reward(sample, **kw) -> float | dict`. Built-in types (one module each):
+A reward function is `async def reward(sample, **kw) -> float | dict`. Built-in types (one module each; the
+whole list, what each accepts and where it differs from slime is in docs/rewards.md):
 `math`, `gsm8k`, `deepscaler`, `dapo` (returns a dict; use `--reward-key score`), `f1`, `remote_rm`
 (needs `--rm-url`). The prefix `boxed_` (e.g. `boxed_f1`) first reduces the response to the content of its
 last `\\boxed{}` ("" if none), then applies the named type.
@@ -10,8 +11,8 @@ last `\\boxed{}` ("" if none), then applies the named type.
     reward = await compute_reward(sample, reward_fn, args=args)   # honours per-sample overrides
     rewards = await batched_reward(samples, reward_fn, args=args)
 
-Precedence per sample (as in slime): `sample.custom_rm_path`, then `sample.metadata["rm_type"]`, then the
-function built from the flags (`--custom-rm-path` wins over `--rm-type` there).
+Precedence per sample (as in slime): `sample.custom_rm_path`, then `--custom-rm-path`, then
+`sample.metadata["rm_type"]` (surrounding spaces ignored), then `--rm-type`.
 
 Custom functions (`--custom-rm-path pkg.mod:fn`, `pkg.mod.fn` or `path/to/file.py:fn`) may use slime's
 signature `fn(args, sample, **kw)` or clawrl's `fn(sample, **kw)`; the choice is made once from the
@@ -76,6 +77,8 @@ class RewardFunction:
     """`--reward-key`: a dict reward must contain it."""
     rm_url: str | None = None
     """`--rm-url`, reused when a sample overrides the type with `remote_rm`."""
+    custom: bool = False
+    """Built from `--custom-rm-path`: then a sample's `metadata["rm_type"]` does not apply (slime's order)."""
 
     async def __call__(self, sample, args: Any = None) -> float | dict[str, Any]:
         reward = await self.call(sample, self.args if args is None else args)
@@ -128,7 +131,9 @@ def build_reward_fn(
             f"no reward function configured: pass --rm-type (one of {', '.join(RM_TYPES)}, optionally prefixed "
             "with boxed_) or --custom-rm-path module:function"
         )
-    return RewardFunction(name=name, call=call, args=args, reward_key=reward_key, rm_url=rm_url)
+    return RewardFunction(
+        name=name, call=call, args=args, reward_key=reward_key, rm_url=rm_url, custom=bool(custom_rm_path)
+    )
 
 
 def _builtin_caller(rm_type: str, rm_url: str | None, deadline_s: float, kwargs: dict, flag: str) -> _Caller:
@@ -194,27 +199,28 @@ def _takes_args_first(fn: Callable, path: str) -> bool:
 _override_cache: dict[tuple[str, str, str | None], _Caller] = {}
 
 
-def _override_caller(sample, rm_url: str | None) -> tuple[str, _Caller] | None:
+def _override_caller(sample, rm_url: str | None, honour_rm_type: bool) -> tuple[str, _Caller] | None:
     if sample.custom_rm_path:
         key = ("custom", sample.custom_rm_path, None)
         if key not in _override_cache:
             _override_cache[key] = _custom_caller(sample.custom_rm_path)
         return sample.custom_rm_path, _override_cache[key]
-    rm_type = (sample.metadata or {}).get("rm_type")
-    if not rm_type:
+    metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+    rm_type = str(metadata.get("rm_type") or "").strip()
+    if not rm_type or not honour_rm_type:
         return None
     key = ("type", rm_type, rm_url)
     if key not in _override_cache:
         flag = f"sample {sample.index}: metadata['rm_type']"
-        _override_cache[key] = _builtin_caller(str(rm_type), rm_url, 120.0, {}, flag=flag)
-    return str(rm_type), _override_cache[key]
+        _override_cache[key] = _builtin_caller(rm_type, rm_url, 120.0, {}, flag=flag)
+    return rm_type, _override_cache[key]
 
 
 async def compute_reward(sample, default_fn: RewardFunction, *, args: Any = None) -> float | dict[str, Any]:
     """The reward of one sample: its own `custom_rm_path` / `metadata["rm_type"]` if set, else `default_fn`."""
     args = getattr(default_fn, "args", None) if args is None else args
     rm_url = getattr(args, "rm_url", None) or getattr(default_fn, "rm_url", None)
-    override = _override_caller(sample, rm_url)
+    override = _override_caller(sample, rm_url, honour_rm_type=not getattr(default_fn, "custom", False))
     if override is None:
         return (
             await default_fn(sample, args)

@@ -1,7 +1,8 @@
 """`--rm-type dapo`: DAPO's strict answer check with Minerva-style normalisation; returns a dict.
 
 Only the last 300 characters of the response are read. The prediction is the last `Answer: ...` (case
-insensitive, to the end of its line), else "[INVALID]". Prediction and label are normalised
+insensitive, to the end of its line), else "[INVALID]"; end-of-turn special tokens of chat templates
+(`<|im_end|>`, `</s>`, ...; see `special_tokens`) are removed from it. Prediction and label are normalised
 (`minerva_normalise`: keep what follows the last `=`; drop filler words and units; keep the inside of `$..$`,
 `\\text{}`, `\\textbf{}`, `\\overline{}` and `\\boxed{}`; `\\fracab` -> `\\frac{a}{b}`, `\\sqrta` -> `\\sqrt{a}`;
 no `$` or spaces; `1,000` -> `1000`); an integral numeric label is written as an integer ("42.0" -> "42").
@@ -18,6 +19,7 @@ import re
 from typing import Any
 
 from clawrl.rollout.rewards.latex import last_boxed_content, unwrap_command
+from clawrl.rollout.rewards.special_tokens import remove_end_tokens
 
 _ANSWER_RE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 _TAIL_CHARS = 300
@@ -77,7 +79,7 @@ def dapo_score(response: str, label: Any, strict_box: bool = False) -> dict[str,
         correct = pred == str(label).strip()
     else:
         matches = _ANSWER_RE.findall(response[-_TAIL_CHARS:])
-        pred = minerva_normalise(matches[-1]) if matches else INVALID
+        pred = minerva_normalise(remove_end_tokens(matches[-1])) if matches else INVALID
         correct = pred == _label_text(label)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 

@@ -1,7 +1,8 @@
 """`--rm-type deepscaler`: math grading of the part of a reasoning model's response after its thinking.
 
-The solution is the text after the last `</think>`; without one, the text after the first `###Response`;
-with neither the reward is 0.0 (a response that never closed its thinking earns nothing). The solution's last
+The solution is the text after the last `</think>`; without one, the text after the first `###Response` (up
+to a second `###Response`, if any); with neither the reward is 0.0 (a response that never closed its
+thinking earns nothing). Trailing end-of-turn special tokens are stripped first. The solution's last
 `\\boxed{}` is graded against the label with the `math` rules (`math_rm.answers_equal`). Returns 1.0 / 0.0.
 """
 
@@ -11,15 +12,17 @@ import asyncio
 from typing import Any
 
 from clawrl.rollout.rewards.math_rm import grade_boxed
+from clawrl.rollout.rewards.special_tokens import strip_end_tokens
 from clawrl.rollout.rewards.sympy_judge import DEFAULT_TIMEOUT_S
 
 
 def extract_solution(response: str) -> str | None:
-    """Text after the last `</think>`, else after the first `###Response`, else None."""
+    """Text after the last `</think>`, else between the first and second `###Response`, else None."""
+    response = strip_end_tokens(response)
     if "</think>" in response:
         return response.rpartition("</think>")[2]
     if "###Response" in response:
-        return response.partition("###Response")[2]
+        return response.split("###Response")[1]
     return None
 
 

@@ -1,6 +1,7 @@
 """`--rm-type f1`: SQuAD-style token F1 between the response and the label.
 
-Both texts are normalised: lower case, punctuation removed, the articles a/an/the removed, whitespace
+Trailing end-of-turn special tokens (`<|im_end|>`, `</s>`, ...) are stripped from the response. Both texts
+are normalised: lower case, punctuation removed, the articles a/an/the removed, whitespace
 collapsed; then split into tokens. F1 = 2PR/(P+R) over the multiset of shared tokens. If either side
 normalises to "yes", "no" or "noanswer", the other must be exactly the same, else the score is 0.0. A list
 label (several acceptable answers) scores the best of them. The whole response is compared; use
@@ -13,6 +14,8 @@ import re
 import string
 from collections import Counter
 from typing import Any
+
+from clawrl.rollout.rewards.special_tokens import strip_end_tokens
 
 _SPECIAL_ANSWERS = frozenset({"yes", "no", "noanswer"})
 _PUNCTUATION = frozenset(string.punctuation)
@@ -41,6 +44,7 @@ def f1_score(prediction: str, reference: str) -> tuple[float, float, float]:
 def f1_reward_value(response: str, label: Any) -> float:
     """Best F1 of the response against the label (or each label of a list); empty label -> 0.0."""
     labels = label if isinstance(label, (list, tuple)) else [label]
+    response = strip_end_tokens(response)
     scores = [f1_score(response, str(item))[0] for item in labels if item is not None and str(item).strip()]
     return max(scores, default=0.0)
 

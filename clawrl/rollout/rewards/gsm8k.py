@@ -4,7 +4,8 @@ Label: `"#### 42"`, a full GSM8K solution ending in `#### 42`, or a bare number 
 Response answer, first that applies: the number on the last `#### x` line; the last number inside the last
 `\\boxed{}`; the last number anywhere in the text. Numbers may carry `$`, thousands commas (`1,000`), a sign
 (`-`, or the unicode minus) and decimals; they are compared exactly as rationals, so "3.50" == "3.5" and
-"-3.0" == "-3". A label that is not a number scores 0.0 (GSM8K answers are numbers).
+"-3.0" == "-3". A label that is not a number scores 0.0 (GSM8K answers are numbers). End-of-turn special
+tokens (`<|im_end|>`, ...) hold no digits, so a trailing one never changes the answer.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ UNIT_WORDS = (
     "square", "cubic", "units", "unit", "cm", "mm", "km", "meters", "meter", "metres", "inches", "inch",
     "feet", "foot", "ft", "yards", "miles", "mph", "kg", "gm", "grams", "pounds", "lbs", "degrees", "degree",
     "radians", "seconds", "minutes", "hours", "hour", "days", "weeks", "years", "dollars", "dollar", "cents",
-    "cent", "points", "ways", "people", "students", "integers", "digits", "edges", "sides",
+    "cent", "points", "ways", "people", "students", "integers", "digits", "edges", "sides", "centimeters",
+    "centimeter", "millimeters", "kilometers", "mile", "yard", "second", "minute", "day", "week",
+    "weeks", "months", "month", "year", "liters", "liter",
 )  # fmt: skip
 TEXT_ONLY_UNITS = ("m", "g", "s", "h", "in", "min", "sec", "deg", "sq", "ml", "l")
 _UNIT_RE = re.compile(r"(?<![\\a-zA-Z])(?:" + "|".join(UNIT_WORDS) + r")(?![a-zA-Z])(?:\^\{?[23]\}?)?")
@@ -94,6 +96,19 @@ def unwrap_text_commands(text: str) -> str:
     for command in _TEXT_COMMANDS:
         text = unwrap_command(text, command, _text_argument)
     return text
+
+
+# `10\text{ apples}`: a `\text{...}` that starts with a space and ends the answer names its unit (the
+# convention of the MATH dataset), whatever the word.
+_TRAILING_TEXT_UNIT_RE = re.compile(
+    r"^(.*?\S)\s*\\(?:text|mbox|textrm)\s*\{ +[A-Za-z][A-Za-z .]*\}(?:\s*\^\s*\{?[23]\}?)?\s*\.?\s*$"
+)
+
+
+def drop_trailing_text_unit(text: str) -> str:
+    """`10\\text{ apples}` -> `10`; text without such a unit is returned unchanged."""
+    match = _TRAILING_TEXT_UNIT_RE.match(text)
+    return text if match is None else match.group(1)
 
 
 def remove_units(text: str) -> str:

@@ -8,7 +8,8 @@ that, the caller kills it and reports "not equal", and the next comparison start
 
 Safety: sympy's parser evaluates its input, so answers are first rewritten into a small grammar (numbers,
 single-letter symbols, + - * / ** and parentheses, and a fixed list of functions); anything else is
-refused before it reaches sympy. Inputs longer than `MAX_CHARS` are refused too.
+refused before it reaches sympy. Inputs longer than `MAX_CHARS` are refused too, and so are pairs that name
+more than `MAX_UNKNOWNS` distinct variables (text answers, which sympy would read as products of letters).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from clawrl.rollout.rewards.sympy_worker import FUNCTIONS
 
 MAX_CHARS = 200
 """Answers longer than this (after normalisation) are not given to sympy."""
+MAX_UNKNOWNS = 2
+"""Answers naming more distinct variables than this (both sides together) are not given to sympy: words
+such as "listen" and "silent" would otherwise read as equal products of letters."""
 DEFAULT_TIMEOUT_S = 5.0
 """Wall-clock limit of one sympy comparison."""
 NUM_WORKERS = 2
@@ -76,6 +80,11 @@ def to_sympy_source(answer: str) -> str | None:
     # Split unknown multi-letter words into single-letter symbols ("xy" -> "x*y"): only single letters and the
     # fixed function names ever reach sympy's evaluator.
     return re.sub(r"[a-zA-Z]+", _split_word, text) if text.strip() else None
+
+
+def _num_unknowns(source: str) -> int:
+    """Distinct one-letter variable names in sympy source (e and i are constants, not variables)."""
+    return len({name for name in re.findall(r"[a-zA-Z]+", source) if len(name) == 1} - {"e", "i"})
 
 
 def _split_word(match: re.Match) -> str:
@@ -207,7 +216,7 @@ _pool_lock = threading.Lock()
 def sympy_equal(a: str, b: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Whether sympy proves the normalised answers equal within `timeout_s` (refused input -> False)."""
     source_a, source_b = to_sympy_source(a), to_sympy_source(b)
-    if source_a is None or source_b is None:
+    if source_a is None or source_b is None or _num_unknowns(source_a + " " + source_b) > MAX_UNKNOWNS:
         return False
     global _pool
     with _pool_lock:
