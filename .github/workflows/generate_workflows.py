@@ -74,6 +74,12 @@ TEMPLATE_SETTINGS = {
     "ci_data_dir": "/data/clawrl_ci",
     "default_image": "pytorch/pytorch:2.11.0-cuda12.8-cudnn9-devel",
     "container_options": "--gpus all --ipc=host --shm-size=16g --ulimit memlock=-1",
+    # (variable in the job container, repository variable it comes from), both spellings of each proxy
+    "proxy_variables": [
+        (spelling, f"CLAWRL_CI_{name.upper()}")
+        for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+        for spelling in (name, name.upper())
+    ],
 }
 
 

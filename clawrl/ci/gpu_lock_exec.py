@@ -10,9 +10,12 @@ a random backoff, so jobs asking for overlapping sets never deadlock and none si
     python -m clawrl.ci.gpu_lock_exec --devices 0,1 -- CMD ARGS...
     clawrl gpu-lock-exec --print-only          # free GPUs, and who holds the busy ones
 
-Exit codes: the command's own code; 128+N when the command died of signal N, or when gpu-lock-exec itself
-received signal N (SIGINT/SIGTERM/SIGHUP, forwarded to the command); 124 when the GPUs were not acquired
-within --timeout; 126/127 when the command cannot be run / is not found; 2 for a usage error.
+The command never outlives a supervising gpu-lock-exec, even a kill -9'ed one (so no orphan holds GPUs):
+the kernel SIGKILLs it when its parent dies (Linux parent-death signal), and a watchdog process kills the
+rest of the command's session when its pipe from the supervisor closes without a "done".
+GPUs: --total-gpus N, else the machine's (nvidia-smi -L, else CUDA_/NVIDIA_VISIBLE_DEVICES), else an error.
+
+Exit codes: EXIT_CODES_HELP below (also in `--help`).
 
 Standard library only (Python >= 3.10), no clawrl imports: CI hosts run this file with a bare `python3`
 before anything is installed.
@@ -41,22 +44,31 @@ EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DEFAULT_LOCK_PATH_PATTERN = "/dev/shm/custom_gpu_lock_{gpu_id}.lock"
-FALLBACK_TOTAL_GPUS = 8
+# First argument of the watchdog process (this file run again); not an option users see.
+WATCHDOG_ARG = "__gpu_lock_exec_watchdog__"
+WATCHDOG_DONE = "done"
+SESSION_KILL_TIMEOUT_S = 5.0
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 WAIT_REPORT_INTERVAL_S = 60.0
 SUPERVISE_POLL_S = 0.2
 LOG_PREFIX = "[gpu_lock_exec]"
 
+TOTAL_GPUS_HELP = (
+    "GPU ids scanned: 0..N-1 (default: the machine's GPUs, from nvidia-smi -L, else CUDA_VISIBLE_DEVICES "
+    "or NVIDIA_VISIBLE_DEVICES; an error when none is found)"
+)
+EXEC_HELP = "replace this process with CMD (inherited descriptors keep the locks) instead of supervising it"
 EXIT_CODES_HELP = """exit codes:
   N        the command's own exit code
   128+N    the command died of signal N, or gpu-lock-exec got signal N (forwarded to the command)
   124      the GPUs were not acquired within --timeout (the message names the holders)
   126/127  the command cannot be executed / was not found
-  2        usage error
+  2        usage error, or no GPU found without --total-gpus
 """
 
 
 class UsageError(Exception):
-    """A bad option value; main() reports it with the usage line and exits with EXIT_USAGE."""
+    """A bad option value; main() reports it in one line and exits with EXIT_USAGE."""
 
 
 class AcquireTimeout(Exception):
@@ -98,57 +110,61 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add = parser.add_argument
-    add("--count", type=int, help="acquire any N free GPUs (exactly one of --count/--devices)")
-    add("--devices", help="acquire exactly these GPU ids, e.g. 0,1 (exactly one of --count/--devices)")
-    add(
-        "--total-gpus",
-        type=int,
-        help="GPU ids scanned: 0..N-1 (default: nvidia-smi -L, else CUDA_VISIBLE_DEVICES, else 8)",
-    )
-    add(
-        "--timeout",
-        type=float,
-        default=86400.0,
-        help="seconds to wait for the GPUs before exiting 124 (default: 24 h)",
-    )
+    one_of = "(exactly one of --count/--devices)"
+    add("--count", type=int, help=f"acquire any N free GPUs {one_of}")
+    add("--devices", help=f"acquire exactly these GPU ids, e.g. 0,1 {one_of}")
+    add("--total-gpus", type=int, help=TOTAL_GPUS_HELP)
+    add("--timeout", type=float, default=86400.0, help="seconds to wait for the GPUs, then exit 124 (24 h)")
     add("--target-env-name", default="CUDA_VISIBLE_DEVICES", help="variable set to the acquired ids for CMD")
-    add(
-        "--lock-path-pattern", default=DEFAULT_LOCK_PATH_PATTERN, help="lock file path; must contain {gpu_id}"
-    )
+    add("--lock-path-pattern", default=DEFAULT_LOCK_PATH_PATTERN, help="lock file path with {gpu_id}")
     add("--print-only", action="store_true", help="print free GPUs and the holders of busy ones, then exit")
-    add(
-        "--exec",
-        dest="exec_mode",
-        action="store_true",
-        help="replace this process with CMD (locks stay held through inherited descriptors) instead of supervising it",
-    )
-    add(
-        "--grace-period",
-        type=float,
-        default=10.0,
-        help="seconds between forwarding a signal and SIGKILL of CMD's process group",
-    )
-    add(
-        "--max-backoff",
-        type=float,
-        default=5.0,
-        help="upper bound of the random sleep between attempts, seconds",
-    )
+    add("--exec", dest="exec_mode", action="store_true", help=EXEC_HELP)
+    add("--grace-period", type=float, default=10.0, help="seconds from a forwarded signal to SIGKILL of CMD")
+    add("--max-backoff", type=float, default=5.0, help="longest random sleep between attempts, seconds")
     add("cmd", nargs=argparse.REMAINDER, help="the command, after --")
     return parser
 
 
-def detect_total_gpus() -> int:
-    """GPUs present: `nvidia-smi -L` lines, else entries of CUDA_VISIBLE_DEVICES, else 8."""
+def nvidia_smi_gpu_count() -> tuple[int, str]:
+    """(GPUs that `nvidia-smi -L` lists, what it said when that is 0): MIG lines are not GPUs."""
     try:
         listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-        num_listed = sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
-        if listing.returncode == 0 and num_listed > 0:
-            return num_listed
-    except (OSError, subprocess.SubprocessError):
-        pass  # no driver on this host: fall back to the environment
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return len(visible) if visible else FALLBACK_TOTAL_GPUS
+    except FileNotFoundError:
+        return 0, "nvidia-smi not found"
+    except (OSError, subprocess.SubprocessError) as error:
+        return 0, f"nvidia-smi -L failed ({error})"
+    if listing.returncode != 0:
+        return 0, f"nvidia-smi -L exited {listing.returncode}"
+    return sum(line.startswith("GPU ") for line in listing.stdout.splitlines()), "nvidia-smi -L lists none"
+
+
+def visible_device_count(name: str) -> int:
+    """Entries of a visible-devices variable; CUDA stops at the first negative id, 'none'/'void' mean none."""
+    count = 0
+    for item in os.environ.get(name, "").split(","):
+        item = item.strip()
+        if not item or item.startswith("-") or item in ("none", "void", "all"):
+            break  # 'all' names no count: only nvidia-smi can say how many that is
+        count += 1
+    return count
+
+
+def detect_total_gpus() -> int:
+    """GPUs present: `nvidia-smi -L` lines, else entries of CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES.
+
+    Raises UsageError naming --total-gpus when none is found, rather than guessing a count of GPUs that
+    would then be "acquired" and handed to a command that has none.
+    """
+    num_listed, said = nvidia_smi_gpu_count()
+    if num_listed > 0:
+        return num_listed
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        if visible_device_count(name) > 0:
+            return visible_device_count(name)
+    raise UsageError(
+        f"no GPU found on this machine ({said}; CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES name none): "
+        "pass --total-gpus N to lock GPU ids 0..N-1 anyway"
+    )
 
 
 def parse_devices(text: str, total_gpus: int) -> list[int]:
@@ -179,11 +195,12 @@ def check_lock_path_pattern(pattern: str) -> None:
 
 
 def check_numbers(args: argparse.Namespace) -> None:
-    for flag, value in (
-        ("--timeout", args.timeout),
-        ("--grace-period", args.grace_period),
-        ("--max-backoff", args.max_backoff),
-    ):
+    durations = {
+        "--timeout": args.timeout,
+        "--grace-period": args.grace_period,
+        "--max-backoff": args.max_backoff,
+    }
+    for flag, value in durations.items():
         if value < 0:
             raise UsageError(f"{flag} must be >= 0, got {value}")
     if args.total_gpus is not None and args.total_gpus < 1:
@@ -196,9 +213,8 @@ def validate(args: argparse.Namespace) -> LockRequest:
     check_lock_path_pattern(args.lock_path_pattern)
     if not args.print_only:
         if (args.count is None) == (args.devices is None):
-            given = (
-                "neither" if args.count is None else f"both --count {args.count} and --devices {args.devices}"
-            )
+            both = f"both --count {args.count} and --devices {args.devices}"
+            given = "neither" if args.count is None else both
             raise UsageError(f"exactly one of --count or --devices is required, got {given}")
         if not args.cmd:
             raise UsageError("no command given: put it after --, e.g. --count 1 -- python train.py")
@@ -338,10 +354,8 @@ def print_only(request: LockRequest) -> int:
 def busy_report(request: LockRequest) -> str:
     wanted = sorted(request.devices) if request.devices is not None else list(range(request.total_gpus))
     free, busy = probe(request, wanted)
-    lines = [f"free: {','.join(map(str, free)) or 'none'}"] + [
-        describe_holder(request, gpu_id) for gpu_id in busy
-    ]
-    return "\n  ".join(lines)
+    holders = [describe_holder(request, gpu_id) for gpu_id in busy]
+    return "\n  ".join([f"free: {','.join(map(str, free)) or 'none'}", *holders])
 
 
 def acquire(request: LockRequest) -> dict[int, int]:
@@ -359,13 +373,13 @@ def acquire(request: LockRequest) -> dict[int, int]:
                 f"{busy_report(request)}"
             )
         if now >= next_report:  # say why we wait, but not on every attempt of a 24 h wait
-            print(
-                f"{LOG_PREFIX} waiting for {request.describe()}; {busy_report(request)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            log(f"waiting for {request.describe()}; {busy_report(request)}")
             next_report = now + WAIT_REPORT_INTERVAL_S
         time.sleep(min(request.max_backoff_s * random.uniform(0.1, 1.0), max(0.0, deadline - now)))
+
+
+def log(message: str) -> None:
+    print(f"{LOG_PREFIX} {message}", file=sys.stderr, flush=True)
 
 
 def signal_pgid(pgid: int, signum: int) -> None:
@@ -397,46 +411,137 @@ class Supervisor:
                 return proc.wait(timeout=SUPERVISE_POLL_S)
             except subprocess.TimeoutExpired:
                 if self.kill_at is not None and time.monotonic() >= self.kill_at:
-                    print(
-                        f"{LOG_PREFIX} grace period over: SIGKILL to the command's process group",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    log("grace period over: SIGKILL to the command's process group")
                     signal_pgid(proc.pid, signal.SIGKILL)
                     self.kill_at = None
+
+
+def session_members(session_id: int) -> list[int]:
+    """Live processes of a session, from /proc (empty where /proc does not exist)."""
+    members = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                    fields = (
+                        stat.read().rsplit(")", 1)[1].split()
+                    )  # after "pid (comm)": state ppid pgrp session
+                if int(fields[3]) == session_id and fields[0] != "Z":
+                    members.append(int(entry))
+    return members
+
+
+def kill_session(session_id: int, timeout_s: float = SESSION_KILL_TIMEOUT_S) -> None:
+    """SIGKILL the command's session (its group and members in groups of their own) until none is left:
+    a member may fork while the others are being killed."""
+    signal_pgid(session_id, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while (members := session_members(session_id)) and time.monotonic() < deadline:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def watchdog_main() -> int:
+    """The watchdog process: EOF on the supervisor's pipe without "done" means the supervisor died (kill -9)
+    without cleaning up: kill the command's session, whose id came through the pipe."""
+    session_id, done = None, False
+    for line in sys.stdin:
+        word = line.strip()
+        done = done or word == WATCHDOG_DONE
+        if word.isdigit():
+            session_id = int(word)
+    if session_id is not None and not done:
+        kill_session(session_id)
+    return 0
+
+
+def start_watchdog() -> subprocess.Popen | None:
+    """This file again, as the watchdog: in a session of its own, so that signals to our process group spare
+    it, and with no lock descriptor (close_fds), so that it never holds a GPU itself."""
+    command = [sys.executable, "-I", "-S", os.path.abspath(__file__), WATCHDOG_ARG]
+    try:
+        return subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True
+        )
+    except OSError as error:
+        warning = f"cannot start the watchdog ({error}): the command may outlive a kill -9 of gpu-lock-exec"
+        log(f"warning: {warning}")
+        return None
+
+
+def tell_watchdog(watchdog: subprocess.Popen | None, word: str, close: bool = False) -> None:
+    if watchdog is None:
+        return
+    with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired):  # a dead watchdog hears nothing
+        watchdog.stdin.write(word + "\n")
+        watchdog.stdin.flush()
+        if close:
+            watchdog.stdin.close()
+            watchdog.wait(timeout=SESSION_KILL_TIMEOUT_S)
+
+
+def die_with_parent_hook():
+    """A preexec_fn that makes the kernel SIGKILL the child when this process dies (Linux); None elsewhere."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not between fork and exec
+    except (ImportError, OSError, AttributeError):
+        return None
+    parent_pid = os.getpid()
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before the request took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
 
 
 def spawn(cmd: list[str], env: dict[str, str], held: dict[int, int]) -> subprocess.Popen | int:
     """Start CMD in its own session, sharing the lock descriptors: the GPUs stay locked while it lives."""
     try:
-        return subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=list(held.values()))
-    except FileNotFoundError:
-        print(f"{LOG_PREFIX} command not found: {cmd[0]}", file=sys.stderr, flush=True)
+        fds = list(held.values())
+        hook = die_with_parent_hook()
+        return subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=fds, preexec_fn=hook)
+    except (FileNotFoundError, PermissionError) as error:
+        return launch_failed(cmd, error)
+
+
+def launch_failed(cmd: list[str], error: OSError) -> int:
+    """Report a command that cannot be started; its exit code (127 not found, 126 not executable)."""
+    if isinstance(error, FileNotFoundError):
+        log(f"command not found: {cmd[0]}")
         return EXIT_NOT_FOUND
-    except PermissionError as error:
-        print(f"{LOG_PREFIX} cannot execute {cmd[0]}: {error}", file=sys.stderr, flush=True)
-        return EXIT_CANNOT_EXECUTE
+    log(f"cannot execute {cmd[0]}: {error}")
+    return EXIT_CANNOT_EXECUTE
 
 
 def supervise(cmd: list[str], env: dict[str, str], held: dict[int, int], record: dict, grace_s: float) -> int:
-    """Run CMD as a child in its own process group; return its exit code, or 128+signal."""
+    """Run CMD as a child in its own session; return its exit code, or 128+signal."""
     supervisor = Supervisor(grace_s)
     # Handlers go in before the child exists, so a signal in between is remembered and forwarded.
     previous = {signum: signal.signal(signum, supervisor.on_signal) for signum in FORWARDED_SIGNALS}
+    watchdog = start_watchdog()
     try:
         proc = spawn(cmd, env, held)
         if isinstance(proc, int):
             return proc
+        tell_watchdog(watchdog, str(proc.pid))  # the session id: the command leads its session
         supervisor.pgid = proc.pid
         write_holder(held, {**record, "command_pid": proc.pid})
         if supervisor.signum is not None:
             signal_pgid(proc.pid, supervisor.signum)
         returncode = supervisor.wait(proc)
+        if supervisor.signum is not None:
+            kill_session(proc.pid)  # interrupted: leave no process of the command behind
     finally:
+        tell_watchdog(watchdog, WATCHDOG_DONE, close=True)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if supervisor.signum is not None:
-        signal_pgid(proc.pid, signal.SIGKILL)  # interrupted: leave no member of the command's group behind
         return 128 + supervisor.signum
     return returncode if returncode >= 0 else 128 - returncode
 
@@ -449,12 +554,8 @@ def exec_command(cmd: list[str], env: dict[str, str], held: dict[int, int]) -> i
     sys.stderr.flush()
     try:
         os.execvpe(cmd[0], cmd, env)
-    except FileNotFoundError:
-        print(f"{LOG_PREFIX} command not found: {cmd[0]}", file=sys.stderr, flush=True)
-        return EXIT_NOT_FOUND
-    except PermissionError as error:
-        print(f"{LOG_PREFIX} cannot execute {cmd[0]}: {error}", file=sys.stderr, flush=True)
-        return EXIT_CANNOT_EXECUTE
+    except (FileNotFoundError, PermissionError) as error:
+        return launch_failed(cmd, error)
     raise AssertionError("os.execvpe returned")
 
 
@@ -481,7 +582,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             return print_only(request)
         held = acquire(request)
     except UsageError as error:
-        parser.error(str(error))  # prints usage and exits with EXIT_USAGE
+        parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")  # one line, nothing locked or run
     except AcquireTimeout as error:
         print(error, file=sys.stderr, flush=True)
         return EXIT_TIMEOUT
@@ -494,4 +595,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(watchdog_main() if sys.argv[1:] == [WATCHDOG_ARG] else main())

@@ -7,7 +7,12 @@ runs a real `clawrl train` whose in-run `--ci-test` checks (metric stream) and `
 a GPU they are skipped (marker `gpu`).
 
 Environment: CLAWRL_TEST_MODELS_DIR (default /root/models), CLAWRL_TEST_DATASETS_DIR (/root/datasets),
-CLAWRL_TEST_OUTPUT_DIR (/tmp/clawrl-e2e), CLAWRL_TEST_ENABLE_EVAL (1), CLAWRL_TEST_ENABLE_INFINITE_RUN (false).
+CLAWRL_TEST_OUTPUT_DIR (/tmp/clawrl-e2e), CLAWRL_TEST_ENABLE_EVAL (1), CLAWRL_TEST_ENABLE_INFINITE_RUN (false);
+for W&B (wandb_flags): WANDB_API_KEY, GITHUB_RUN_ID, GITHUB_COMMIT_NAME.
+
+Proxies: prepare() downloads through the proxy variables of the environment (the CI passes them into the
+job container); the training command is launched without any of them (PROXY_VARIABLES), because its HTTP
+calls go to the engines on this machine and must not be sent to a proxy.
 """
 
 from __future__ import annotations
@@ -17,9 +22,19 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# Removed from the training command's environment; both spellings, since tools differ in which they read.
+PROXY_VARIABLES = tuple(
+    spelling
+    for name in ("http_proxy", "https_proxy", "ftp_proxy", "all_proxy", "no_proxy")
+    for spelling in (name, name.upper())
+)
+# One W&B group for every run of this process when GITHUB_RUN_ID is unset (a local run).
+LOCAL_RUN_ID = time.strftime("%y%m%d-%H%M%S", time.gmtime())
+_wandb_notice_printed = False
 
 
 def env_flag(name: str, default: str = "false") -> bool:
@@ -56,12 +71,37 @@ def hf_download(repo: str, local_dir: Path, *, dataset: bool = False) -> Path:
     return local_dir
 
 
+def training_env() -> dict[str, str]:
+    """This process's environment without the proxy variables, for the training command."""
+    return {name: value for name, value in os.environ.items() if name not in PROXY_VARIABLES}
+
+
+def wandb_flags(test_file: str) -> list[str]:
+    """W&B flags for a test's training run; none (and a notice, once per process) without WANDB_API_KEY.
+
+    Project `clawrl-<test file stem>`, group `<GITHUB_RUN_ID or UTC time>_<GITHUB_COMMIT_NAME>`, so one CI run
+    groups its tests. The key itself stays in the environment (clawrl and wandb read WANDB_API_KEY there), not
+    on the command line that run_clawrl prints.
+    """
+    global _wandb_notice_printed
+    if not os.environ.get("WANDB_API_KEY"):
+        if not _wandb_notice_printed:
+            print("W&B skipped: WANDB_API_KEY is not set", flush=True)
+            _wandb_notice_printed = True
+        return []
+    group = os.environ.get("GITHUB_RUN_ID") or LOCAL_RUN_ID
+    if os.environ.get("GITHUB_COMMIT_NAME"):
+        group += "_" + os.environ["GITHUB_COMMIT_NAME"]
+    return ["--use-wandb", "--wandb-project", f"clawrl-{Path(test_file).stem}", "--wandb-group", group]
+
+
 def run_clawrl(command: str, flags: list[str], output_dir: Path, timeout_s: float = 3 * 3600) -> list[dict]:
-    """Run `clawrl <command> <flags>` (fresh output dir), stream its output, return its metrics.jsonl rows."""
+    """Run `clawrl <command> <flags>` (fresh output dir, no proxy variables), stream its output, return its
+    metrics.jsonl rows."""
     shutil.rmtree(output_dir, ignore_errors=True)
     args = [sys.executable, "-m", "clawrl.cli.main", command, *flags, "--output-dir", str(output_dir)]
     print("EXEC:", " ".join(args), flush=True)
-    subprocess.run(args, check=True, cwd=ROOT, timeout=timeout_s)
+    subprocess.run(args, check=True, cwd=ROOT, timeout=timeout_s, env=training_env())
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -86,6 +126,19 @@ def gsm8k_flags(model: Path, data: Path) -> list[str]:
         "--adam-beta1", "0.9", "--adam-beta2", "0.98",
         "--ci-test", "--check-weight-update-equal",
     ]  # fmt: skip
+
+
+# Fault tolerance as in slime's short tests: a health check every 5 s, 10 s to answer, from the rollout's
+# start. Together with --ci-test this kills engine 0 once at rollout 2; the run must recover and finish.
+FAULT_TOLERANCE_FLAGS = [
+    "--use-fault-tolerance", "--rollout-health-check-interval", "5", "--rollout-health-check-timeout", "10",
+    "--rollout-health-check-first-wait", "0",
+]  # fmt: skip
+
+
+def engine_restarts(rows: list[dict]) -> int:
+    """Engine restarts over the whole run (each metrics row counts those since the previous row)."""
+    return round(sum(row.get("rollout/engine_restarts", 0.0) for row in rows))
 
 
 def eval_flags(data: Path, interval: int) -> list[str]:

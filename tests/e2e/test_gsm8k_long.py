@@ -8,7 +8,7 @@ been validated on this stack yet (see the CI issue notes).
 """
 
 import pytest
-from e2e_common import env_flag, gsm8k_flags, output_dir, prepare_gsm8k, run_clawrl
+from e2e_common import env_flag, gsm8k_flags, output_dir, prepare_gsm8k, run_clawrl, wandb_flags
 
 NUM_GPUS = 1
 CI_LABELS = ["run-ci-long"]
@@ -25,7 +25,7 @@ def test_gsm8k_long():
         "--n-samples-per-eval-prompt", "1", "--eval-max-response-len", "1024", "--eval-top-k", "1",
         "--ci-metric-checker-key", "eval/gsm8k", "--ci-metric-checker-threshold", "0.45",
     ]  # fmt: skip
-    run_clawrl("train", flags, output_dir(__file__), timeout_s=48 * 3600)
+    run_clawrl("train", flags + wandb_flags(__file__), output_dir(__file__), timeout_s=48 * 3600)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ run on the H200 measured 0.0089) plus the step-1 KL checks, as slime's precision
 """
 
 import pytest
-from e2e_common import gsm8k_flags, output_dir, prepare_gsm8k, run_clawrl
+from e2e_common import gsm8k_flags, output_dir, prepare_gsm8k, run_clawrl, wandb_flags
 
 NUM_GPUS = 1
 CI_LABELS = ["run-ci-precision"]
@@ -20,7 +20,7 @@ def test_logprob_precision():
         "--num-rollout", "2", "--colocate", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
         "--rollout-num-gpus", "1", "--ci-train-rollout-logprob-abs-diff-threshold", "0.02",
     ]  # fmt: skip
-    rows = run_clawrl("train", flags, output_dir(__file__))
+    rows = run_clawrl("train", flags + wandb_flags(__file__), output_dir(__file__))
     assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 0.02
 
 

@@ -145,8 +145,34 @@ def test_pr_test_container_env_concurrency_and_triggers(tmp_path):
     )
     env = job["env"]
     assert env["WANDB_API_KEY"] == "${{ secrets.WANDB_API_KEY }}"
+    assert (
+        env["GITHUB_COMMIT_NAME"] == "${{ github.sha }}_${{ github.event.pull_request.number || 'non-pr' }}"
+    )
     assert "inputs.infinite_run" in env["CLAWRL_TEST_ENABLE_INFINITE_RUN"]
     assert env["CLAWRL_TEST_ENABLE_EVAL"] == "${{ vars.CLAWRL_TEST_ENABLE_EVAL || '1' }}"
+
+
+def load_e2e_common():
+    spec = importlib.util.spec_from_file_location("e2e_common", REPO_ROOT / "tests" / "e2e" / "e2e_common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_job_containers_get_the_proxies_that_the_training_command_drops():
+    """Downloads in the job container go through the repository's proxy variables; every variable passed in
+    is one the e2e harness removes before launching training (local HTTP must not go to a proxy)."""
+    workflow = parse((WORKFLOWS_DIR / "pr-test.yml").read_text())
+    expected = {}
+    for name in ["http_proxy", "https_proxy", "all_proxy", "no_proxy"]:
+        source = f"${{{{ vars.CLAWRL_CI_{name.upper()} }}}}"
+        expected[name] = expected[name.upper()] = source
+    assert expected["HTTPS_PROXY"] == "${{ vars.CLAWRL_CI_HTTPS_PROXY }}"
+    enabled = [job for job in workflow["jobs"].values() if job["if"] is not False]
+    assert enabled, "no enabled GPU job in the committed pr-test.yml"
+    for job in enabled:
+        assert job["container"]["env"] == expected
+    assert set(expected) <= set(load_e2e_common().PROXY_VARIABLES)
 
 
 def test_label_without_tests_renders_a_disabled_job(tmp_path):
