@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from clawrl.config.errors import at_least
+from clawrl.config.errors import ConfigError, at_least
 from clawrl.config.fields import check_types, option
 
 
@@ -21,8 +21,10 @@ class ModelConfig:
     """Resume from the latest checkpoint in DIR, else start from --hf-checkpoint (so --load may equal --save)."""
     save: str | None = option(metavar="DIR")
     """Directory to write training checkpoints to."""
+    save_hf: str | None = option(metavar="TEMPLATE")
+    """At every save, also write an HF model dir (source dtype) to TEMPLATE.format(rollout_id=N); no --save needed."""
     save_interval: int | None = None
-    """Save a checkpoint every N rollouts; requires --save."""
+    """Save (--save, --save-hf) every N rollouts, and after the last one; default: after the last one only."""
     model_impl: Literal["native", "hf"] = "native"
     """Trainer model code: native (clawrl/models, packed sequences) or hf (transformers AutoModelForCausalLM)."""
     gradient_checkpointing: bool = False
@@ -34,3 +36,15 @@ class ModelConfig:
         check_types(self)
         at_least(self, "save_interval", 1)
         at_least(self, "update_weight_buffer_size", 1)
+        if self.save_hf is not None:
+            save_hf_path(self.save_hf, 0)  # a template with other fields fails now, not at the first save
+
+
+def save_hf_path(template: str, rollout_id: int) -> str:
+    """The --save-hf directory of rollout `rollout_id`; a template naming other fields is a ConfigError."""
+    try:
+        return template.format(rollout_id=rollout_id)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(
+            f"--save-hf {template!r}: the only field a template may use is {{rollout_id}} ({e!r})"
+        ) from None

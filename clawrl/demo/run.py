@@ -8,7 +8,9 @@
 4. runs GRPO through the real stack: Ray, an engine actor serving HTTP, an FSDP2 trainer actor, shared-memory
    weight sync after every step, `clawrl train`'s own loop (clawrl.loops.sync), evaluating before RL and
    every few rollouts;
-5. writes the report (plots + index.html) and prints the accuracy before and after RL.
+5. writes the final model as a HF directory (`--save-hf`: transformers, `clawrl engine` and a new run's
+   --hf-checkpoint load it), the report (plots + index.html), and prints the accuracy before and after RL
+   and where the model is.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import time
 from pathlib import Path
 
 from clawrl.demo.recipe import DemoAssets, DemoRecipe, build_assets, grpo_job, sft_batch, sft_job
+
+FINAL_MODEL_DIR = "final_model"
+"""Where under --output-dir the demo writes its trained model (a HF directory)."""
 
 
 def run_demo(output_dir: str | Path, *, seed: int = 0, recipe: DemoRecipe | None = None, echo=print) -> dict:
@@ -42,15 +47,18 @@ def run_demo(output_dir: str | Path, *, seed: int = 0, recipe: DemoRecipe | None
     echo(f"[demo] SFT warm-up done at {time.perf_counter() - started:.1f} s; GRPO through Ray + HTTP + FSDP2")
     from clawrl.loops.sync import train
 
-    train(grpo_job(recipe, sft_dir, assets, out))
+    job = grpo_job(recipe, sft_dir, assets, out)
+    job.model.save_hf = str(out / FINAL_MODEL_DIR)  # no --save-interval: written once, after the last rollout
+    train(job)
     from clawrl.metrics.report import build_report
 
     report = build_report(out)  # the path of index.html
-    summary = _summary(out, time.perf_counter() - started)
+    summary = {**_summary(out, time.perf_counter() - started), "final_model": job.model.save_hf}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     echo(
         f"[demo] eval accuracy {summary['eval_before_rl']:.3f} before RL -> {summary['eval_after_rl']:.3f} after "
-        f"({summary['eval_gain']:+.3f}) in {summary['total_seconds']:.0f} s; report: {report}"
+        f"({summary['eval_gain']:+.3f}) in {summary['total_seconds']:.0f} s; report: {report}; "
+        f"final model (HF format): {summary['final_model']}"
     )
     return summary
 

@@ -8,12 +8,19 @@ Layout (slime's, so tools that look for it find it):
     <save>/iter_0000003/rng_rank{r}.pt            each rank's torch (and CUDA) RNG state
 
 `iteration` = rollout_id + 1. Everything is tensors and plain containers: `torch.load(weights_only=True)`.
+meta.json's `extra.job` holds the job config of the run that saved it (`clawrl train` records it).
+
+Reading a checkpoint's weights needs no process group and no model (`clawrl convert-checkpoint`):
+
+    path = find_iteration_dir("ckpt")            # latest; or find_iteration_dir("ckpt", iteration=3)
+    state, meta = read_model_state(path)         # {HF name: full CPU tensor}, meta.json
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +99,20 @@ def load_checkpoint(root, model, optimizer) -> dict[str, Any] | None:
     return json.loads((path / "meta.json").read_text())
 
 
-def _check_fits(dcp_dir: Path, model_sd: dict[str, Any]) -> None:
-    """One CheckpointError naming `dcp_dir` when its model tensors are not this model's (names and full
-    shapes), before DCP would fail on every rank with a long per-rank report."""
+def _saved_metadata(dcp_dir: Path) -> dict[str, Any]:
+    """{key: tensor metadata} of a DCP directory; CheckpointError naming it when unreadable."""
     try:
-        saved = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+        return dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
     except Exception as e:  # a missing or truncated .metadata file
         raise CheckpointError(
             f"{dcp_dir}: not a readable torch.distributed.checkpoint directory ({e})"
         ) from e
+
+
+def _check_fits(dcp_dir: Path, model_sd: dict[str, Any]) -> None:
+    """One CheckpointError naming `dcp_dir` when its model tensors are not this model's (names and full
+    shapes), before DCP would fail on every rank with a long per-rank report."""
+    saved = _saved_metadata(dcp_dir)
     prefix = "model."
     found = {
         k[len(prefix) :]: tuple(v.size)
@@ -124,3 +136,54 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def find_iteration_dir(path: str | Path, *, iteration: int | None = None) -> Path:
+    """The iteration directory of a --save directory (the latest, or `iteration`), or `path` itself when it
+    is one. CheckpointError, naming the path, when there is no such checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory")
+    if _is_iteration_dir(path):
+        if iteration is not None and path.name != iteration_dir(path.parent, iteration).name:
+            raise CheckpointError(f"{path}: is the checkpoint of another iteration than {iteration}")
+        return path
+    if iteration is None:
+        iteration = latest_iteration(path)
+        if iteration is None:
+            raise CheckpointError(
+                f"{path}: not a clawrl checkpoint directory (no {TRACKER} and no iter_*/dcp with meta.json)"
+            )
+    found = iteration_dir(path, iteration)
+    if not _is_iteration_dir(found):
+        saved = sorted(int(d.name[5:]) for d in path.glob("iter_*") if _is_iteration_dir(d))
+        raise CheckpointError(f"{path}: no checkpoint of iteration {iteration} (saved iterations: {saved})")
+    return found
+
+
+def _is_iteration_dir(path: Path) -> bool:
+    return (path / "dcp").is_dir() and (path / "meta.json").is_file()
+
+
+def read_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An iteration directory's model tensors (full, on CPU, in the saved dtype, under the trainer's
+    parameter names) and its meta.json, read in this process alone: no process group, no model."""
+    path = Path(path)
+    dcp_dir = path / "dcp"
+    saved = _saved_metadata(dcp_dir)
+    prefix = "model."
+    model_sd = {
+        key[len(prefix) :]: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in saved.items()
+        if key.startswith(prefix) and hasattr(entry, "size")
+    }
+    if not model_sd:
+        raise CheckpointError(f"{dcp_dir}: holds no model tensors (is it a clawrl --save checkpoint?)")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model_sd}, checkpoint_id=str(dcp_dir), no_dist=True)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path / 'meta.json'}: not valid JSON ({e})") from None
+    return model_sd, meta

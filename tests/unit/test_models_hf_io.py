@@ -1,6 +1,7 @@
 """Loading and saving HF directories: save_hf round trips through transformers, sharding, non-weight files,
 live (partial) weight updates through the same load_weights path, and the errors for checkpoints that do
-not fit the model."""
+not fit the model. export_hf_dir (what --save-hf and convert-checkpoint write): the source's dtype, a tied
+head stored as the source stores it, atomic replacement, and architectures only transformers implements."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from clawrl.models.attention import VarlenAttention
 from clawrl.models.config import ModelArgs, load_model_args
 from clawrl.models.decoder import CausalLM
-from clawrl.models.hf_io import hf_state_dict, load_model, save_hf
+from clawrl.models.hf_io import export_hf_dir, hf_state_dict, load_model, save_hf, source_dtype
 from clawrl.models.loader import INDEX_FILE, SINGLE_FILE, iter_safetensors, load_weights
 
 TINY = dict(
@@ -240,3 +241,145 @@ def test_directory_without_weights_or_config_is_a_clear_error(qwen3_dir, tmp_pat
         ValueError, match=r"lists shard 'model-00001-of-00002.safetensors', which does not exist"
     ):
         load_model(tmp_path)
+
+
+def trainer_state(src):
+    """HF-named fp32 tensors as the trainer holds them: a tied head appears as an alias of the embedding."""
+    model = load_model(src)
+    state = {name: t.detach().clone() for name, t in hf_state_dict(model).items()}
+    if model.args.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def with_config(src, dst, **changes):
+    """A copy of the checkpoint `src` at `dst` with config.json entries changed (None removes one)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_export_hf_dir_writes_the_source_dtype_bit_exact_with_its_files(qwen3_dir, tmp_path):
+    src, _ = qwen3_dir
+    bf16_src = with_config(src, tmp_path / "bf16_src", dtype="bfloat16")
+    state = trainer_state(src)
+    out = export_hf_dir(state, tmp_path / "out", source_dir=bf16_src)
+
+    saved = load_file(out / SINGLE_FILE)
+    assert saved.keys() == state.keys()
+    assert all(
+        saved[n].dtype == torch.bfloat16 and torch.equal(saved[n], t.bfloat16()) for n, t in state.items()
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config == {**json.loads((bf16_src / "config.json").read_text()), "dtype": "bfloat16"}
+    for name in [*NON_WEIGHT_FILES, "generation_config.json"]:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16_src", "out"]  # no staging directory left
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
+    assert load_model_args(out).torch_dtype == "bfloat16"
+
+    as_fp32 = export_hf_dir(state, tmp_path / "fp32", source_dir=bf16_src, dtype=torch.float32)
+    assert all(torch.equal(t, state[n]) for n, t in load_file(as_fp32 / SINGLE_FILE).items())
+
+
+def test_source_dtype_falls_back_to_the_stored_tensors(qwen3_dir, tmp_path):
+    src, _ = qwen3_dir
+    assert source_dtype(src) == torch.float32
+    bare = with_config(src, tmp_path / "bare", dtype=None, torch_dtype=None)
+    save_file({n: t.half() for n, t in load_file(src / SINGLE_FILE).items()}, bare / SINGLE_FILE)
+    assert source_dtype(bare) == torch.float16
+    assert (
+        source_dtype(with_config(src, tmp_path / "old", dtype=None, torch_dtype="bfloat16")) == torch.bfloat16
+    )
+
+
+def test_export_hf_dir_shards_and_transformers_and_clawrl_load_it(qwen3_dir, tmp_path):
+    src, hf_model = qwen3_dir
+    state = trainer_state(src)
+    out = export_hf_dir(state, tmp_path / "out", source_dir=src, max_shard_bytes=60_000)
+    index = json.loads((out / INDEX_FILE).read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    assert sorted(index["weight_map"]) == sorted(state) and not (out / SINGLE_FILE).exists()
+    ids, positions = batch(512)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert torch.equal(hf_logits(reloaded, ids), hf_logits(hf_model, ids))
+        native = load_model(out)
+        assert torch.equal(
+            native_logits(native, ids, positions), native_logits(load_model(src), ids, positions)
+        )
+
+
+def test_export_hf_dir_stores_a_tied_head_as_the_source_does(qwen2_tied_dir, tmp_path):
+    src, _ = qwen2_tied_dir
+    state = trainer_state(src)
+    assert "lm_head.weight" in state  # the alias a DCP checkpoint carries
+    assert "lm_head.weight" not in load_file(
+        export_hf_dir(state, tmp_path / "a", source_dir=src) / SINGLE_FILE
+    )
+
+    stores_head = tmp_path / "stores_head"
+    shutil.copytree(src, stores_head)
+    tensors = load_file(src / SINGLE_FILE)
+    save_file(
+        {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}, stores_head / SINGLE_FILE
+    )
+    saved = load_file(export_hf_dir(state, tmp_path / "b", source_dir=stores_head) / SINGLE_FILE)
+    assert saved.keys() == {*tensors, "lm_head.weight"}
+    assert torch.equal(saved["lm_head.weight"], state["model.embed_tokens.weight"])
+
+
+def test_export_hf_dir_replaces_an_earlier_export_only_when_complete(qwen3_dir, tmp_path):
+    src, _ = qwen3_dir
+    state, out = trainer_state(src), tmp_path / "out"
+    export_hf_dir(state, out, source_dir=src, max_shard_bytes=60_000)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = {**state, "model.norm.weight": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"do not fit its architecture \(qwen3\): tensor 'model.norm.weight' has "
+                       r"shape \[3\], expected \[64\]"):  # fmt: skip
+        export_hf_dir(bad, out, source_dir=src)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the failed export changed nothing
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+    changed = {name: t + 1 for name, t in state.items()}
+    export_hf_dir(changed, out, source_dir=src)
+    assert sorted(p.name for p in out.glob("model*")) == [SINGLE_FILE]  # the shards and index are gone
+    assert all(torch.equal(t, changed[n]) for n, t in load_file(out / SINGLE_FILE).items())
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_export_hf_dir_refuses_other_directories_and_unknown_architectures(qwen3_dir, tmp_path):
+    src, _ = qwen3_dir
+    state = trainer_state(src)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=rf"^{data}: exists and is not a HF model directory"):
+        export_hf_dir(state, data, source_dir=src)
+    assert [p.name for p in data.iterdir()] == ["notes.txt"]
+    with pytest.raises(ValueError, match=rf"^{src}: is the source model directory itself"):
+        export_hf_dir(state, src, source_dir=src)
+    unknown = with_config(src, tmp_path / "unknown", model_type="no_such_model")
+    with pytest.raises(ValueError, match=rf"^{unknown}: unsupported architecture for a HF export"):
+        export_hf_dir(state, tmp_path / "out", source_dir=unknown)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_hf_dir_of_an_architecture_only_transformers_implements(tmp_path):
+    src = tmp_path / "mistral"
+    src.mkdir()
+    hf_model = make_checkpoint(src, MistralConfig(vocab_size=512, head_dim=16, **TINY))
+    state = {name: p.detach().clone() for name, p in hf_model.named_parameters()}
+    out = export_hf_dir(state, tmp_path / "out", source_dir=src, max_shard_bytes=60_000)
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / INDEX_FILE).is_file()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "mistral"
+    for name in NON_WEIGHT_FILES:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ids, _ = batch(512)
+    with torch.no_grad():
+        assert torch.equal(hf_logits(reloaded, ids), hf_logits(hf_model, ids))
