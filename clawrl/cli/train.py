@@ -5,13 +5,17 @@
 
 `train` is slime's synchronous loop; `train-async` generates rollout k+1 while training on rollout k.
 Both take the same flags (clawrl/config). A flag mistake, or a placement the cluster cannot hold, prints one
-line, `clawrl train: error: ...`, and exits with code 2.
+line, `clawrl train: error: ...`, and exits with code 2. A failed check (--ci-test, clawrl/metrics/checks.py)
+prints the table of checks and then, as the last line, `clawrl train: check failed: ...`; exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import logging
+import logging.handlers
 import sys
 from typing import NoReturn
 
@@ -41,10 +45,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace, prog: str) -> int:
     """Validate the parsed flags, then run the synchronous or the asynchronous loop."""
+    from clawrl.cli.preflight import preflight
+    from clawrl.cluster.deadline import ActorFailure, DeadlineError
     from clawrl.cluster.placement import PlacementError
+    from clawrl.metrics.checks import MetricCheckError
 
     try:
-        job = validate(job_from_namespace(args))
+        with _held_log_lines():  # what validate derived is printed only when the flags are valid
+            job = validate(job_from_namespace(args))
+            if prog.endswith("train-async") and job.resources.colocate:
+                raise ConfigError(
+                    "--colocate: clawrl train-async needs separate trainer and engine GPUs; drop --colocate"
+                )
+            preflight(job)  # model, datasets, plugins, dumps, output dir: before Ray starts
         if prog.endswith("train-async"):
             from clawrl.loops.async_ import train_async
 
@@ -56,7 +69,47 @@ def run(args: argparse.Namespace, prog: str) -> int:
     except (ConfigError, PlacementError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except (DeadlineError, ActorFailure) as e:
+        _stop_ray()  # the stacks were printed above; this line is the last
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except MetricCheckError as e:
+        _stop_ray()  # no forwarded actor log line may land after the verdict
+        print(f"{prog}: check failed: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _stop_ray() -> None:
+    import ray
+
+    sys.stdout.flush()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def _held_log_lines():
+    """clawrl's INFO lines (what validate derived or turned on, loop phases) go to stderr; those logged in
+    the block are held back and printed only if it succeeds, so a flag error stays the one line printed."""
+    log = logging.getLogger("clawrl")
+    if not log.handlers:
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(logging.Formatter("clawrl: %(message)s"))
+        log.addHandler(console)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    held = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
+    saved, log.handlers = log.handlers, [held]
+    try:
+        yield
+    except BaseException:
+        held.buffer.clear()
+        raise
+    finally:
+        log.handlers = saved
+    for record in held.buffer:
+        log.handle(record)
 
 
 def _exit_with_error(prog: str, message: str) -> NoReturn:

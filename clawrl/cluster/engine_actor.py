@@ -15,13 +15,33 @@ import ray
 class EngineActor:
     """Builds Engine -> AsyncEngine -> FastAPI app -> uvicorn thread; `start()` returns the base URL."""
 
-    def __init__(self, config: dict, *, num_threads: int | None = None):
+    def __init__(self, config: dict, *, num_threads: int | None = None, label: str = "engine"):
         import torch
+
+        from clawrl.cluster.deadline import enable_stack_dumps
 
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = config
         self.server = None
+        self.pid, self.node_ip = enable_stack_dumps(label)
+
+    def where(self) -> tuple[int, str]:
+        """(pid, node ip) of this actor's process, for stack dumps."""
+        return self.pid, self.node_ip
+
+    def inject_fault(self, mode: str) -> None:
+        """Fault injection for tests: "kill" ends the process at once (a crash), "hang" freezes it (SIGSTOP:
+        the server keeps its connections but answers nothing, as a deadlocked engine would). Never returns:
+        the caller does not wait for it."""
+        import signal
+
+        if mode == "kill":
+            os._exit(1)  # at once: requests in flight on this engine die with it
+        elif mode == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            raise ValueError(f"inject_fault: mode must be 'kill' or 'hang', got {mode!r}")
 
     def start(self) -> str:
         from clawrl.engine.async_engine import AsyncEngine

@@ -1,6 +1,6 @@
 """Where trainer ranks and engines run: a pure plan from the flags and the cluster's GPU count.
 
-Modes (reference/slime.md 1.4):
+Modes (as slime lays out GPUs):
 - cpu:      no GPU in the cluster. Trainer ranks = --actor-num-nodes x --actor-num-gpus-per-node processes,
             engines = --rollout-num-gpus / --rollout-num-gpus-per-engine processes, all on CPU.
 - colocate: trainer and engines share the same GPUs, taking turns (--colocate): max(actor, rollout) GPUs.
@@ -52,9 +52,16 @@ class PlacementPlan:
         return 0.0 if self.mode == "cpu" else (0.4 if self.mode == "colocate" else 1.0)
 
 
-def plan_placement(res: ResourcesConfig, *, cluster_gpus: int) -> PlacementPlan:
-    """Plan the job's processes; raises PlacementError when the cluster cannot hold them."""
-    actor = res.actor_num_gpus
+def plan_placement(
+    res: ResourcesConfig, *, cluster_gpus: int, trainer: bool = True, engines: bool = True
+) -> PlacementPlan:
+    """Plan the job's processes; raises PlacementError when the cluster cannot hold them.
+
+    `trainer=False` (--debug-rollout-only) places engines only, `engines=False` (--debug-train-only) the
+    trainer only; either way nothing is colocated."""
+    if not engines:
+        return _trainer_only(res, cluster_gpus)
+    actor = res.actor_num_gpus if trainer else 0
     rollout = actor if res.rollout_num_gpus is None and res.colocate else (res.rollout_num_gpus or 0)
     if res.rollout_num_gpus_per_engine != 1:
         raise PlacementError(
@@ -88,6 +95,14 @@ def plan_placement(res: ResourcesConfig, *, cluster_gpus: int) -> PlacementPlan:
         trainer_slots=list(range(actor)),
         engine_slots=list(range(actor, actor + rollout)),
     )
+
+
+def _trainer_only(res: ResourcesConfig, cluster_gpus: int) -> PlacementPlan:
+    actor = res.actor_num_gpus
+    if cluster_gpus == 0:
+        return PlacementPlan(mode="cpu", num_gpus=0, trainer_slots=list(range(actor)), engine_slots=[])
+    _check_fits(actor, cluster_gpus, "trainer only (--debug-train-only)")
+    return PlacementPlan(mode="split", num_gpus=actor, trainer_slots=list(range(actor)), engine_slots=[])
 
 
 def _check_fits(needed: int, available: int, how: str) -> None:

@@ -21,10 +21,34 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> Non
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local single-user runs: no token dance
+    runtime_env = {"env_vars": forwarded_env()}
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
+        # address="local": always a new instance of our own, never a cluster another job left running here
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                 log_to_driver=True, runtime_env=runtime_env)  # fmt: skip
+
+
+# Variables that describe the driver's own machine or shell, or that Ray sets per actor (CUDA_VISIBLE_DEVICES):
+# forwarding them would be wrong on another node or would override Ray's GPU assignment.
+_NOT_FORWARDED = {
+    "PATH", "HOME", "PWD", "OLDPWD", "SHELL", "USER", "LOGNAME", "HOSTNAME", "TERM", "SHLVL", "_", "DISPLAY",
+    "TMPDIR", "LANG", "LC_ALL", "MAIL", "PS1", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+}  # fmt: skip
+_NOT_FORWARDED_PREFIXES = ("RAY_", "SSH_", "XDG_", "LS_", "PYTEST_", "COLUMNS", "LINES")
+
+
+def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The driver's environment as every Ray actor of the job gets it (job-level runtime_env), so settings
+    like CUDA_LAUNCH_BLOCKING=1, CUDA core-dump variables, NCCL_DEBUG or TORCH_* given to `clawrl train`
+    reach the engines, the trainer ranks and the rollout manager, also on the nodes of a joined cluster."""
+    environ = os.environ if environ is None else environ
+    return {
+        k: v for k, v in environ.items()
+        if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)
+    }  # fmt: skip
 
 
 def cluster_gpus() -> int:

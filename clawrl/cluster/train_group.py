@@ -10,12 +10,13 @@ from typing import Any
 
 import ray
 
+from clawrl.cluster.deadline import ActorFailure, ActorInfo, DeadlineError, wait_all
 from clawrl.cluster.placement import PlacementPlan
 from clawrl.cluster.ray_cluster import actor_options
 from clawrl.config.job import JobConfig
 from clawrl.data.train_batch import TrainBatch
 
-CALL_TIMEOUT_S = 3600.0
+START_TIMEOUT_S = 600.0
 
 
 @ray.remote
@@ -26,8 +27,10 @@ class TrainWorker:
                  device: str, num_threads: int | None):  # fmt: skip
         import torch
 
+        from clawrl.cluster.deadline import enable_stack_dumps
         from clawrl.trainer.actor import TrainActor
 
+        self._where = enable_stack_dumps(f"trainer rank {rank}")
         if num_threads:
             torch.set_num_threads(num_threads)
         job = JobConfig.from_dict(job_dict)
@@ -39,6 +42,10 @@ class TrainWorker:
             master_port=master_port,
             device=device,
         )
+
+    def where(self) -> tuple[int, str]:
+        """(pid, node ip) of this rank's process, for stack dumps."""
+        return self._where
 
     def call(self, method: str, *args, **kwargs) -> Any:
         return getattr(self.actor, method)(*args, **kwargs)
@@ -82,10 +89,16 @@ class TrainGroup:
             )
             for rank, slot in enumerate(plan.trainer_slots)
         ]
+        self.job = job
+        self.owners = [f"trainer rank {rank}" for rank in range(world)]
+        self.infos: list[ActorInfo] = []
+        wheres = self._wait([w.where.remote() for w in self.workers], "trainer start", START_TIMEOUT_S)
+        self.infos = [ActorInfo(o, pid, node) for o, (pid, node) in zip(self.owners, wheres, strict=True)]
 
-    def call(self, method: str, *args, timeout_s: float = CALL_TIMEOUT_S, **kwargs) -> list[Any]:
-        """Run `TrainActor.method` on every rank; returns the per-rank results."""
-        return _wait([w.call.remote(method, *args, **kwargs) for w in self.workers], method, timeout_s)
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
+        """Run `TrainActor.method` on every rank (default deadline: --train-timeout); per-rank results."""
+        timeout_s = self.job.fault.train_timeout if timeout_s is None else timeout_s
+        return self._wait([w.call.remote(method, *args, **kwargs) for w in self.workers], method, timeout_s)
 
     def init(self, total_optimizer_steps: int) -> int:
         starts = self.call("init", total_optimizer_steps)
@@ -94,21 +107,46 @@ class TrainGroup:
         return starts[0]
 
     def train(self, batch: TrainBatch) -> dict[str, Any]:
+        """Rank 0's metrics; with --save-debug-train-data, every rank's per-sample records under
+        TRAIN_RECORDS_KEY, in rollout order."""
+        from clawrl.trainer.train_dump import TRAIN_RECORDS_KEY
+
         ref = ray.put(batch)  # one copy in the object store, read by every rank
-        return self.call("train", ref)[0]
+        results = self.call("train", ref)
+        records = [r for result in results for r in result.pop(TRAIN_RECORDS_KEY, [])]
+        if records:
+            results[0][TRAIN_RECORDS_KEY] = sorted(records, key=lambda r: r["rollout_position"])
+        return results[0]
 
     def update_weights(self, transport: dict, version: str, timeout_s: float = 600.0) -> dict[str, float]:
         refs = [w.update_weights.remote(transport, version) for w in self.workers]
-        return _wait(refs, "update_weights", timeout_s)[0]
+        return self._wait(refs, "update_weights", timeout_s)[0]
 
-    def shutdown(self) -> None:
-        for worker in self.workers:
-            ray.kill(worker)
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        """Leave the process group on every rank (within the deadline), then end the actors."""
+        try:
+            refs = [w.call.remote("shutdown") for w in self.workers]
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        finally:
+            for worker in self.workers:
+                ray.kill(worker)
+
+    def _wait(self, refs: list, what: str, timeout_s: float) -> list[Any]:
+        """All ranks' results; a rank that hangs or dies fails the call naming it (stacks printed) and the
+        last complete checkpoint to resume from."""
+        try:
+            return wait_all(refs, f"trainer {what}", timeout_s, self.infos, self.owners)
+        except (DeadlineError, ActorFailure) as error:
+            raise type(error)(f"{error}; {_resume_hint(self.job)}") from None
 
 
-def _wait(refs: list, what: str, timeout_s: float) -> list[Any]:
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        ranks = [refs.index(r) for r in pending]
-        raise TimeoutError(f"trainer rank(s) {ranks} did not finish {what} within {timeout_s:.0f} s")
-    return ray.get(refs)
+def _resume_hint(job: JobConfig) -> str:
+    from clawrl.trainer.checkpoint import latest_iteration
+
+    save = job.model.save
+    if not save:
+        return "no checkpoint to resume from (--save unset)"
+    step = latest_iteration(save)
+    if step is None:
+        return f"no complete checkpoint in {save} yet"
+    return f"last complete checkpoint: {save} (rollout {step}); resume with --load {save}"

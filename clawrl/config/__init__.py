@@ -6,7 +6,7 @@
     job.train.global_batch_size          # 32 (derived by validate)
     args = job.to_namespace()            # slime-style flat namespace for user plugins
 
-Flag names and meanings are slime's (reference/slime.md); `clawrl train --help` lists them by component.
+Flag names and meanings are slime's; `clawrl train --help` lists them by component.
 """
 
 from clawrl.config.errors import ConfigError

@@ -1,6 +1,6 @@
 """Algorithm flags: advantage estimator, PPO clipping, KL terms, entropy, reward normalisation, TIS.
 
-Meanings follow reference/slime.md section 4; dr_grpo and rloo are estimators clawrl adds.
+Meanings follow slime's loss code; dr_grpo and rloo are estimators clawrl adds.
 """
 
 from __future__ import annotations

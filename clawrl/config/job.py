@@ -19,8 +19,11 @@ from typing import Any
 from clawrl.config.algo import AlgoConfig
 from clawrl.config.ci import CIConfig
 from clawrl.config.data import DataConfig
+from clawrl.config.debug import DebugConfig
+from clawrl.config.engine import EngineFlagsConfig
 from clawrl.config.errors import ConfigError
 from clawrl.config.eval import EvalConfig
+from clawrl.config.fault import FaultConfig
 from clawrl.config.fields import field_specs
 from clawrl.config.logs import LoggingConfig
 from clawrl.config.model import ModelConfig
@@ -41,6 +44,8 @@ class JobConfig:
     """Generation of training samples and their rewards (required: --rollout-batch-size has no default)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation during training."""
+    engine: EngineFlagsConfig = field(default_factory=EngineFlagsConfig)
+    """Inference engines started by the job."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Policy optimisation."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -51,6 +56,10 @@ class JobConfig:
     """Metrics and experiment tracking."""
     ci: CIConfig = field(default_factory=CIConfig)
     """Checks for CI runs."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Fault tolerance and deadlines."""
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    """Debugging: the two half-runs, rollout and train-data dumps, replay."""
 
     @staticmethod
     def components() -> tuple[tuple[str, type], ...]:

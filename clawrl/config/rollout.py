@@ -1,7 +1,7 @@
 """Rollout flags: batch sizes, sampling parameters, rewards and the rollout/generate/filter plugins.
 
 Plugin paths are `package.module.fn` or `package.module:fn` (clawrl/config/plugins.py loads them); the
-signatures are slime's (reference/slime.md section 3).
+signatures are slime's (docs/guide.md lists them).
 """
 
 from __future__ import annotations

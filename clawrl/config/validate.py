@@ -2,7 +2,7 @@
 
 `validate(job)` returns a resolved copy (the input is untouched) and is idempotent, so a config read back
 from a checkpoint validates to itself. The first broken rule raises one ConfigError naming the flags and
-values. The rules (reference/slime.md 2.4 and 8.2, for the flags clawrl has):
+values. The rules (slime's batch-size relations and its argument validation, for the flags clawrl has):
 
 - eval: --eval-interval needs --eval-prompt-data; unset eval sampling values take the rollout's.
 - model: --ref-load defaults to --hf-checkpoint (the reference is the initial policy); the KL terms
@@ -19,6 +19,12 @@ values. The rules (reference/slime.md 2.4 and 8.2, for the flags clawrl has):
   trainer's GPUs; unset offloads become False; --rollout-num-gpus-per-engine divides --rollout-num-gpus.
 - rewards and losses: --rm-type remote_rm needs --rm-url; --loss-type custom_loss needs its function path;
   --min-lr <= --lr.
+- debugging: --debug-rollout-only and --debug-train-only exclude each other; --load-debug-rollout-data implies
+  --debug-train-only, which needs it (nothing else to train on); --dump-details DIR sets the rollout and train
+  dump templates under DIR; the two templates differ; a template is a str.format string whose only field is
+  {rollout_id} (without it every dump overwrites one file: a warning); --debug-rollout-only turns off
+  --colocate and both offloads and gives the trainer's GPUs to the engines; --ci-test implies
+  --check-weight-update-equal when weights are synced.
 - output: --run-name defaults to run-<timestamp>, --output-dir to outputs/<run name>.
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import string
 import time
 
 from clawrl.config.errors import ConfigError
@@ -47,6 +54,7 @@ def validate(job: JobConfig) -> JobConfig:
         _algorithm,
         _batch_sizes,
         _run_length,
+        _debug,
         _resources,
         _rewards_and_losses,
         _output,
@@ -75,8 +83,10 @@ def _model_paths(job: JobConfig) -> None:
     if (a.use_kl_loss or a.kl_coef != 0) and m.ref_load is None:
         why = "--use-kl-loss" if a.use_kl_loss else f"--kl-coef {a.kl_coef}"
         raise ConfigError(f"{why} needs a reference model: give --hf-checkpoint or --ref-load (both unset)")
-    if job.model.save_interval is not None and job.model.save is None:
-        raise ConfigError(f"--save-interval {job.model.save_interval} requires --save DIR")
+    if job.model.save_interval is not None and job.model.save is None and job.model.save_hf is None:
+        raise ConfigError(
+            f"--save-interval {job.model.save_interval} requires --save DIR or --save-hf TEMPLATE"
+        )
 
 
 def _algorithm(job: JobConfig) -> None:
@@ -185,6 +195,87 @@ def _rewards_and_losses(job: JobConfig) -> None:
         raise ConfigError("--loss-type custom_loss requires --custom-loss-function-path MODULE.FN (unset)")
     if t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} must be <= --lr {t.lr}")
+
+
+def _debug(job: JobConfig) -> None:
+    d = job.debug
+    if d.debug_rollout_only and (d.debug_train_only or d.load_debug_rollout_data):
+        other = "--debug-train-only" if d.debug_train_only else "--load-debug-rollout-data"
+        raise ConfigError(f"--debug-rollout-only and {other} exclude each other: pick one half of the run")
+    if d.load_debug_rollout_data and not d.debug_train_only:
+        d.debug_train_only = True
+        logger.info("--load-debug-rollout-data: --debug-train-only turned on (no engines are started)")
+    if d.debug_train_only and not d.load_debug_rollout_data:
+        raise ConfigError(
+            "--debug-train-only needs --load-debug-rollout-data TEMPLATE: without engines it has nothing to train on"
+        )
+    if d.dump_details:
+        d.save_debug_rollout_data = os.path.join(d.dump_details, "rollout_data", "{rollout_id}.pt")
+        d.save_debug_train_data = os.path.join(d.dump_details, "train_data", "{rollout_id}.pt")
+    if d.save_debug_train_data and d.save_debug_train_data == d.save_debug_rollout_data:
+        raise ConfigError(
+            f"--save-debug-train-data and --save-debug-rollout-data are the same template "
+            f"{d.save_debug_train_data!r}: the train dump would overwrite the rollout dump"
+        )
+    for name in ("save_debug_rollout_data", "load_debug_rollout_data", "save_debug_train_data"):
+        _check_template(getattr(d, name), "--" + name.replace("_", "-"))
+    if d.debug_rollout_only:
+        _rollout_only_resources(job)
+    _fault(job)
+    if (
+        job.ci.ci_test
+        and not job.ci.check_weight_update_equal
+        and not (d.debug_rollout_only or d.debug_train_only)
+    ):
+        job.ci.check_weight_update_equal = True
+        logger.info("--ci-test: --check-weight-update-equal turned on")
+
+
+def _fault(job: JobConfig) -> None:
+    f, d = job.fault, job.debug
+    if f.ci_fault_tolerance and not f.use_fault_tolerance:
+        f.use_fault_tolerance = True
+    if job.ci.ci_test and f.use_fault_tolerance and f.fault_injection is None and not d.debug_train_only:
+        # slime's CI fault injection: engine 0 dies once at the first rollout with id >= 2
+        f.fault_injection = "engine=0,rollout=2,mode=kill"
+        logger.info("--ci-test --use-fault-tolerance: engine 0 will be killed once at rollout 2")
+    if f.fault_injection is not None and d.debug_train_only:
+        raise ConfigError(
+            f"--fault-injection {f.fault_injection!r} needs engines; --debug-train-only starts none"
+        )
+
+
+def _rollout_only_resources(job: JobConfig) -> None:
+    """slime's adjustments for --debug-rollout-only: no trainer, so its GPUs go to the engines."""
+    res = job.resources
+    if res.colocate:
+        if res.rollout_num_gpus is None:
+            res.rollout_num_gpus = res.actor_num_gpus
+            logger.info(
+                "--debug-rollout-only: --rollout-num-gpus %d (the trainer's GPUs)", res.rollout_num_gpus
+            )
+        res.colocate = False
+        logger.info("--debug-rollout-only: --colocate turned off (no trainer to share the GPUs with)")
+    if res.offload or res.offload_train or res.offload_rollout:
+        logger.info("--debug-rollout-only: --offload-train and --offload-rollout turned off")
+    res.offload = False
+    res.offload_train = res.offload_rollout = False
+
+
+def _check_template(template: str | None, flag: str) -> None:
+    """A dump template is a str.format string whose only field is {rollout_id}."""
+    if template is None:
+        return
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as error:
+        raise ConfigError(f"{flag} {template!r} is not a valid template: {error}") from None
+    if fields - {"rollout_id"}:
+        raise ConfigError(
+            f"{flag} {template!r}: the only template field is {{rollout_id}}, got {sorted(fields - {'rollout_id'})}"
+        )
+    if not fields:
+        logger.warning("%s %r has no {rollout_id}: every dump overwrites this one file", flag, template)
 
 
 def _output(job: JobConfig) -> None:

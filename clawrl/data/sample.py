@@ -137,10 +137,10 @@ class Sample:
     def from_dict(cls, data: dict[str, Any]) -> Sample:
         """Inverse of `to_dict`. Unknown keys (written by plugins or newer versions) are kept as extras."""
         names = {f.name for f in dataclasses.fields(cls)}
-        known = {k: v for k, v in data.items() if k in names}
-        if "status" in known:
+        known = _plain_copy({k: v for k, v in data.items() if k in names})
+        if "status" in known:  # after the copy, which turns enums back into their string values
             known["status"] = Status(known["status"])
-        sample = cls(**_plain_copy(known))
+        sample = cls(**known)
         extra = {k: v for k, v in data.items() if k not in names}
         if extra:
             sample.__dict__["_extra"] = _plain_copy(extra)

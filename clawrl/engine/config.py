@@ -44,6 +44,9 @@ class EngineConfig:
     step's outputs one call later, and a sequence that stops computes one extra, discarded token. None (the
     default) means on for a CUDA device and off on CPU, where the reference runner computes a step as it is
     launched, so there is nothing to overlap (see `overlap_schedule`)."""
+    attention_backend: str = "triton"
+    """CUDA: "triton" runs the GPU runner (paged Triton kernels, CUDA graphs); "torch" runs the reference
+    runner (plain torch attention and sampling, no graphs): slow, the first thing to try on a crash."""
     seed: int = 0
     """Seed of the engine's generator that seeds requests which carry no seed of their own."""
 
@@ -65,6 +68,10 @@ class EngineConfig:
             )
         if not self.cpu_kv_cache_gib > 0:
             raise ValueError(f"EngineConfig.cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.attention_backend not in ("triton", "torch"):
+            raise ValueError(
+                f"EngineConfig.attention_backend must be 'triton' or 'torch', got {self.attention_backend!r}"
+            )
         if self.enable_overlap_schedule is not None and not isinstance(self.enable_overlap_schedule, bool):
             raise ValueError(
                 f"EngineConfig.enable_overlap_schedule must be true, false or null (auto), "

@@ -60,8 +60,9 @@ class StepInputs:
 def make_model_runner(
     config: EngineConfig, model: torch.nn.Module, kv_cache: KVCache, *, context_length: int
 ):
-    """The GPU runner (gpu_runner.py) on CUDA, this reference runner elsewhere."""
-    if kv_cache.device.type != "cuda":
+    """The GPU runner (gpu_runner.py) on CUDA, this reference runner elsewhere or with attention_backend
+    "torch" (the plain-torch path, for debugging crashes in the kernels)."""
+    if kv_cache.device.type != "cuda" or config.attention_backend == "torch":
         return ModelRunner(model, kv_cache)
     from clawrl.engine.gpu_runner import GpuModelRunner  # imports Triton: only on the GPU path
 

@@ -29,18 +29,18 @@ def train_async(job: JobConfig) -> None:
         pending_eval = first_eval(run, job, start)
         in_flight = run.generate_async(start)
         for rollout_id in range(start, run.num_rollout):
-            (batch, rollout_metrics), wait = timed(ray.get, in_flight)
+            (batch, rollout_metrics), wait = timed(run.wait_rollout, in_flight, rollout_id)
             metrics = {**pending_eval, **rollout_metrics, "perf/rollout_wait_time": wait}
             pending_eval = {}
             in_flight = run.generate_async(rollout_id + 1) if rollout_id + 1 < run.num_rollout else None
             train_metrics, metrics["perf/train_time"] = timed(run.train, batch)
             metrics.update(train_metrics)
             if in_flight is not None:  # the next rollout must finish on the old weights before they change
-                ray.wait([in_flight])
+                in_flight = ray.put(run.wait_rollout(in_flight, rollout_id + 1))
             metrics.update(run.sync_weights(rollout_id + 1))
             if periodic(rollout_id, job.eval.eval_interval, run.num_rollout):
                 pending_eval = timed_eval(run, rollout_id + 1)
-            if periodic(rollout_id, job.model.save_interval, run.num_rollout) and job.model.save:
+            if run.save_due(rollout_id):
                 run.save(rollout_id)
             run.log(rollout_id, metrics)
         if pending_eval:

@@ -12,100 +12,262 @@ The loops (sync.py, async_.py) call these and nothing else, so each fits on one 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from clawrl.cluster.engine_actor import EngineActor
+from clawrl.cluster.deadline import ActorInfo, wait_all
+from clawrl.cluster.engine_pool import EnginePool
+from clawrl.cluster.health import EngineHealthMonitor
 from clawrl.cluster.placement import PlacementPlan, plan_placement
-from clawrl.cluster.ray_cluster import actor_options, cluster_gpus, reserve, start_ray
+from clawrl.cluster.ray_cluster import cluster_gpus, reserve, start_ray
+from clawrl.cluster.rollout_actor import RolloutManagerActor
 from clawrl.cluster.train_group import TrainGroup
+from clawrl.config.errors import ConfigError
+from clawrl.config.fault import FaultSpec
 from clawrl.config.job import JobConfig
+from clawrl.trainer.train_dump import TRAIN_RECORDS_KEY
+
+if TYPE_CHECKING:
+    from clawrl.rollout.replay import ReplaySource
 
 logger = logging.getLogger(__name__)
 
-ENGINE_START_TIMEOUT_S = 600.0
 # Colocated engines get their memory back in two phases, as slime does: weights for the sync, then what
 # generation needs. Every released tag must come back, or the engine holds requests forever.
 SYNC_MEMORY_TAGS = ("weights",)
 GENERATION_MEMORY_TAGS = ("kv_cache", "cuda_graph")
-ROLLOUT_TIMEOUT_S = 3600.0
 
 
 @dataclass
 class Run:
     job: JobConfig
     plan: PlacementPlan
-    engines: list
-    engine_urls: list[str]
-    manager: Any
-    trainer: TrainGroup
-    metrics: Any
-    num_rollout: int
+    pool: EnginePool | None = None
+    """The engine actors; None with --debug-train-only."""
+    manager: Any = None
+    """RolloutManager actor; None with --debug-train-only."""
+    trainer: TrainGroup | None = None
+    """None with --debug-rollout-only (no trainer process is started)."""
+    metrics: Any = None
+    num_rollout: int = 0
+    replay: ReplaySource | None = None
+    """--load-debug-rollout-data: rollouts come from dumps, not from engines."""
+    monitor: EngineHealthMonitor | None = None
+    """--use-fault-tolerance: checks the engines while rollouts run and replaces failed ones."""
+    manager_info: list = field(default_factory=list)
+    engine_version: int = 0
+    """Weight version the engines serve."""
+    trainer_version: int = 0
+    """Weight version the trainer holds (ahead of the engines between a train step and the next sync)."""
+    _trainer_lock: threading.Lock = field(default_factory=threading.Lock)
+    _fault: FaultSpec | None = None
+    _restarts_logged: int = 0
 
     # --------------------------------------------------------------------------------------- start
     @classmethod
     def start(cls, job: JobConfig) -> Run:
+        d = job.debug
         start_ray(job.resources.ray_address)
-        plan = plan_placement(job.resources, cluster_gpus=cluster_gpus())
+        plan = plan_placement(
+            job.resources, cluster_gpus=cluster_gpus(), trainer=not d.debug_rollout_only,
+            engines=not d.debug_train_only,
+        )  # fmt: skip
+        _check_fault_target(job, plan)
         group = reserve(plan)
-        threads = (
-            1 if plan.mode == "cpu" else None
-        )  # 2-core CPU runs: one thread per process, no oversubscription
-        engines = [
-            EngineActor.options(**actor_options(group, slot, plan.engine_gpu_fraction)).remote(
-                engine_config(job, plan, i), num_threads=threads
-            )
-            for i, slot in enumerate(plan.engine_slots)
-        ]
-        urls = _wait_all([e.start.remote() for e in engines], "engine start", ENGINE_START_TIMEOUT_S)
-        from clawrl.metrics.logger import MetricLogger
-        from clawrl.rollout.manager import RolloutManager
+        threads = 1 if plan.mode == "cpu" else None  # 2-core CPU runs: one thread per process
+        if d.dump_details:
+            _save_tokenizer(job.model.hf_checkpoint, d.dump_details)
+        run = cls(job, plan)
+        try:
+            run._start_rollout_side(group, threads)
+            if not d.debug_rollout_only:
+                run.trainer = TrainGroup(job, plan, group, num_threads=threads)
+            run.metrics = _metric_logger(job)
+            run._start_monitor()
+        except BaseException:
+            run.close()
+            raise
+        return run
 
-        manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
+    def _start_rollout_side(self, group, threads: int | None) -> None:
+        job, plan, f = self.job, self.plan, self.job.fault
+        if job.debug.debug_train_only:
+            from clawrl.rollout.replay import ReplaySource
+
+            logger.info("--debug-train-only: no engines; rollouts are read from %s",
+                        job.debug.load_debug_rollout_data)  # fmt: skip
+            self.replay = ReplaySource(job)
+            self.num_rollout = self.replay.num_rollout()
+            return
+        configs = [engine_config(job, plan, i) for i in range(plan.num_engines)]
+        self.pool = EnginePool(
+            configs, group, plan.engine_slots, plan.engine_gpu_fraction, num_threads=threads
+        )
+        urls = self.pool.start(f.engine_start_timeout)
+        self.manager = RolloutManagerActor.options(num_cpus=0, max_concurrency=4).remote(
             job, urls, num_rollout_gpus=max(plan.num_engines, 1)
+        )
+        pid, node = self._wait(
+            [self.manager.where.remote()], "rollout manager start", f.engine_start_timeout
+        )[0]
+        self.manager_info = [ActorInfo("rollout manager", pid, node)]
+        self.num_rollout = (
+            job.rollout.num_rollout
+            or self._wait(
+                [self.manager.num_rollout_for_epochs.remote()], "counting prompts", f.rollout_timeout
+            )[0]
+        )
+        if job.debug.debug_rollout_only:
+            logger.info("--debug-rollout-only: no trainer; training, saving and weight sync are skipped")
+        if f.fault_injection:
+            self._fault = FaultSpec.parse(f.fault_injection)
+
+    def _start_monitor(self) -> None:
+        f = self.job.fault
+        if self.pool is None or not f.use_fault_tolerance:
+            return
+        self.monitor = EngineHealthMonitor(
+            lambda: list(self.pool.urls), self._recover, interval_s=f.rollout_health_check_interval,
+            timeout_s=f.rollout_health_check_timeout, first_wait_s=f.rollout_health_check_first_wait,
         )  # fmt: skip
-        trainer = TrainGroup(job, plan, group, num_threads=threads)
-        num_rollout = job.rollout.num_rollout or ray.get(manager.num_rollout_for_epochs.remote())
-        metrics = MetricLogger(
-            job.logging.output_dir, run_name=job.logging.run_name, config=job.to_dict(),
-            use_tensorboard=job.logging.use_tensorboard, use_wandb=job.logging.use_wandb,
-            wandb_project=job.logging.wandb_project, wandb_group=job.logging.wandb_group,
-            wandb_key=job.logging.wandb_key, wandb_mode=job.logging.wandb_mode or "offline",
-            resume=bool(job.model.load), checks=_checks(job),
-        )  # fmt: skip
-        return cls(job, plan, engines, urls, manager, trainer, metrics, num_rollout)
+        self.monitor.start()
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return list(self.pool.urls) if self.pool is not None else []
+
+    def actor_infos(self) -> list[ActorInfo]:
+        """Every actor of the job, for stack dumps when a deadline fires."""
+        engines = self.pool.actor_infos() if self.pool is not None else []
+        trainer = self.trainer.infos if self.trainer is not None else []
+        return [*engines, *self.manager_info, *trainer]
+
+    def _wait(self, refs: list, what: str, timeout_s: float) -> list:
+        return wait_all(refs, what, timeout_s, self.actor_infos())
 
     # --------------------------------------------------------------------------------------- steps
     def init_trainer(self) -> int:
         """Build the trainer; restore the data cursor from the checkpoint; returns the first rollout id."""
+        if self.trainer is None:
+            return 0
         steps_per_rollout = self.job.train.num_steps_per_rollout or 1
         start = self.trainer.init(self.num_rollout * steps_per_rollout)
         if start > 0:
+            logger.info(
+                "resumed from the checkpoint in %s: continuing at rollout %d", self.job.model.load, start
+            )
             extra = self.trainer.call("loaded_extra")[0]
-            ray.get(self.manager.load_state_dict.remote(extra.get("rollout", {})))
+            if self.manager is not None:
+                self._wait([self.manager.load_state_dict.remote(extra.get("rollout", {}))], "data cursor", 60)
+        self.engine_version = self.trainer_version = start
         return start
 
     def generate(self, rollout_id: int):
-        return ray.get(self.manager.generate.remote(rollout_id), timeout=ROLLOUT_TIMEOUT_S)
+        """Rollout `rollout_id`: (TrainBatch, metrics)."""
+        return self.wait_rollout(self.generate_async(rollout_id), rollout_id)
 
     def generate_async(self, rollout_id: int):
-        """Start rollout `rollout_id`; `ray.get` the returned ref for (batch, metrics)."""
+        """Start rollout `rollout_id`; `wait_rollout` the returned ref for (batch, metrics)."""
+        if self.replay is not None:
+            return ray.put(self.replay.generate(rollout_id))
+        if self.monitor is not None:
+            self.monitor.resume()
+        self._arm_fault(rollout_id)
         return self.manager.generate.remote(rollout_id)
+
+    def wait_rollout(self, ref, rollout_id: int):
+        """(batch, metrics) of a started rollout, within --rollout-timeout."""
+        batch, metrics = self._wait([ref], f"rollout {rollout_id}", self.job.fault.rollout_timeout)[0]
+        self._raise_monitor_error()
+        return batch, metrics
+
+    def _arm_fault(self, rollout_id: int) -> None:
+        """--fault-injection: from rollout K on, the manager breaks the engine once, right after it has
+        sent it a request (so requests are in flight on it when it dies or freezes)."""
+        spec = self._fault
+        if spec is None or rollout_id < spec.rollout:
+            return
+        self._fault = None
+        url, actor = self.pool.urls[spec.engine], self.pool.actors[spec.engine]
+        self._wait([self.manager.arm_fault.remote(url, actor, spec.mode)], "arming the fault injection", 60)
+        logger.warning("fault injection: engine %d will be %s during rollout %d", spec.engine,
+                       "killed" if spec.mode == "kill" else "frozen", rollout_id)  # fmt: skip
+
+    def _recover(self, index: int, reason: str) -> None:
+        """Health monitor thread: replace engine `index`, load the trainer's current weights into it (checked
+        with --check-weight-update-equal), then route to it. In-flight requests were re-sent meanwhile."""
+        from clawrl.weight_sync import transport_for, verify_engine_weights
+
+        f, timings = self.job.fault, {}
+        started = time.monotonic()
+        old = self.pool.urls[index]
+        new = self.pool.restart(index, f.engine_start_timeout)
+        timings["restart"] = time.monotonic() - started
+        if self.trainer is not None:
+            with self._trainer_lock:  # not during a train step: the version label must match the weights
+                version = str(self.trainer_version)
+                self.trainer.update_weights(
+                    transport_for(self.plan, [new]), version, f.update_weights_timeout
+                )
+                if self.job.ci.check_weight_update_equal:
+                    checksums = self.trainer.call("checksums", self.trainer_engine_dtype())[0]
+                    verify_engine_weights([new], checksums, expected_version=version)
+            timings["resync"] = time.monotonic() - started - timings["restart"]
+        self._wait([self.manager.replace_engine.remote(old, new)], "routing to the new engine", 60)
+        logger.warning(
+            "engine %d recovered (%s): restart %.1f s, weight sync %.1f s, now serving at %s",
+            index, reason.split(";")[0][:120], timings["restart"], timings.get("resync", 0.0), new,
+        )  # fmt: skip
+
+    def _raise_monitor_error(self) -> None:
+        if self.monitor is not None and self.monitor.error is not None:
+            error, self.monitor.error = self.monitor.error, None
+            raise RuntimeError(f"engine recovery failed: {error}") from error
 
     def train(self, batch) -> dict[str, Any]:
         """Train on one rollout; with --colocate the engines first free the GPU (and the trainer takes it)."""
+        if self.trainer is None:
+            return {}
         res = self.job.resources
-        if self.plan.mode == "colocate" and res.offload_rollout:
+        colocated = self.plan.mode == "colocate"
+        if colocated and res.offload_rollout:
+            self._pause_monitor()  # released engines cannot generate: no health checks until the sync
+            if self.monitor is not None:
+                self.monitor.check_now()  # a dead engine is replaced now, while it can still be resynced
             self._engines_call("release_memory_occupation", [*SYNC_MEMORY_TAGS, *GENERATION_MEMORY_TAGS])
-        if self.plan.mode == "colocate" and res.offload_train:
-            self.trainer.call("onload")
-        metrics = self.trainer.train(batch)
-        if self.plan.mode == "colocate" and res.offload_train:
-            self.trainer.call("offload")
+        with self._trainer_lock:
+            if colocated and res.offload_train:
+                self.trainer.call("onload")
+            metrics = self.trainer.train(batch)
+            if colocated and res.offload_train:
+                self.trainer.call("offload")
+            self.trainer_version += 1
+        records = metrics.pop(TRAIN_RECORDS_KEY, None)
+        if records is not None:
+            self._save_train_dump(batch.rollout_id, records, metrics)
         return metrics
+
+    def _pause_monitor(self) -> None:
+        if self.monitor is not None:
+            self.monitor.pause()
+            self._raise_monitor_error()
+
+    def _save_train_dump(self, rollout_id: int, records: list, metrics: dict[str, Any]) -> None:
+        from clawrl.debug.dump import dump_path, save_train_dump
+
+        payload = {
+            "format_version": 1, "kind": "clawrl-train-data", "rollout_id": rollout_id,
+            "world_size": self.plan.num_trainer_ranks, "samples": records,
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            "optimizer_steps": [dict(step) for step in metrics.get("train", [])],
+        }  # fmt: skip
+        path = save_train_dump(dump_path(self.job.debug.save_debug_train_data, rollout_id), payload)
+        logger.info("rollout %d: train data of %d samples dumped to %s", rollout_id, len(records), path)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights to every engine as weight version `version`.
@@ -117,11 +279,19 @@ class Run:
         """
         from clawrl.weight_sync import transport_for, verify_engine_weights
 
-        released = self.plan.mode == "colocate" and self.job.resources.offload_rollout
+        if self.trainer is None or self.pool is None:  # a half-run: nothing to sync
+            return {}
+        self._pause_monitor()  # a recovery in progress finishes first; no checks while weights change
+        if self.monitor is not None and not self._released():
+            self.monitor.check_now()  # every engine must be alive to take the new weights
+        released = self._released()
         resume_s = 0.0
         if released:
             resume_s += timed(self._engines_call, "resume_memory_occupation", list(SYNC_MEMORY_TAGS))[1]
-        metrics = self.trainer.update_weights(transport_for(self.plan, self.engine_urls), str(version))
+        timeout = self.job.fault.update_weights_timeout
+        metrics = self.trainer.update_weights(
+            transport_for(self.plan, self.engine_urls), str(version), timeout
+        )
         if self.job.ci.check_weight_update_equal:
             start = time.perf_counter()
             checksums = self.trainer.call("checksums", self.trainer_engine_dtype())[0]
@@ -130,10 +300,15 @@ class Run:
         if released:
             resume_s += timed(self._engines_call, "resume_memory_occupation", list(GENERATION_MEMORY_TAGS))[1]
             metrics["perf/engine_resume_time"] = resume_s
+        self.engine_version = version
         return metrics
 
+    def _released(self) -> bool:
+        """Whether the engines released their memory for training (colocated with offload)."""
+        return self.plan.mode == "colocate" and self.job.resources.offload_rollout
+
     def _engines_call(self, route: str, *args) -> None:
-        engines_call(self.engine_urls, route, *args)
+        engines_call(self.engine_urls, route, *args, timeout_s=self.job.fault.update_weights_timeout)
 
     def trainer_engine_dtype(self):
         import torch
@@ -141,16 +316,46 @@ class Run:
         return torch.float32 if self.plan.mode == "cpu" else torch.bfloat16
 
     def eval(self, rollout_id: int) -> dict[str, float]:
-        if not self.job.eval.eval_prompt_data:
+        if not self.job.eval.eval_prompt_data or self.manager is None:
             return {}
-        return ray.get(self.manager.eval.remote(rollout_id), timeout=ROLLOUT_TIMEOUT_S)
+        if self.monitor is not None:
+            self.monitor.resume()
+        return self._wait(
+            [self.manager.eval.remote(rollout_id)], f"eval {rollout_id}", self.job.fault.rollout_timeout
+        )[0]
+
+    def save_due(self, rollout_id: int) -> bool:
+        """--save / --save-hf: after every --save-interval rollouts and after the last one."""
+        model = self.job.model
+        if not (model.save or model.save_hf):
+            return False
+        return rollout_id == self.num_rollout - 1 or periodic(rollout_id, model.save_interval)
 
     def save(self, rollout_id: int) -> None:
-        """Checkpoint after rollout `rollout_id`; the data cursor is the one rollout `rollout_id + 1` starts at."""
-        state = ray.get(self.manager.state_dict.remote(before_rollout=rollout_id + 1))
-        self.trainer.call("save", rollout_id, {"rollout": state})
+        """After rollout `rollout_id`: the --save checkpoint (its data cursor is the one rollout
+        `rollout_id + 1` starts at; its meta.json records the job config, which `clawrl convert-checkpoint`
+        reads) and the --save-hf export."""
+        from clawrl.config.model import save_hf_path
+        from clawrl.metrics.logger import redact
+
+        if self.trainer is None:
+            return
+        model = self.job.model
+        if model.save:
+            state = {}
+            if self.manager is not None:
+                state = ray.get(self.manager.state_dict.remote(before_rollout=rollout_id + 1), timeout=60)
+            self.trainer.call("save", rollout_id, {"rollout": state, "job": redact(self.job.to_dict())})
+        if model.save_hf:
+            path = save_hf_path(model.save_hf, rollout_id)
+            self.trainer.call("export_hf", path)
+            logger.info("rollout %d: HF model written to %s", rollout_id, path)
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        if self.monitor is not None and rollout_id < self.num_rollout:
+            # restarts finished since the last row: the sync before this row waited for any recovery
+            metrics["rollout/engine_restarts"] = float(self.pool.num_restarts - self._restarts_logged)
+            self._restarts_logged = self.pool.num_restarts
         from clawrl.metrics.progress import format_progress
 
         flat = self.metrics.log(rollout_id, metrics)
@@ -160,10 +365,26 @@ class Run:
         print(line, flush=True)
 
     def close(self) -> None:
-        self.metrics.close()
-        for engine in self.engines:
-            ray.get(engine.stop.remote(), timeout=60)
-        self.trainer.call("shutdown")
+        """Close everything that was opened, also after a failed start; the first error is raised last."""
+        errors = []
+        steps = [("health monitor", lambda: self.monitor and self.monitor.stop()),
+                 ("metrics", lambda: self.metrics and self.metrics.close())]  # fmt: skip
+        if self.manager is not None:
+            steps.append(("rollout manager", lambda: ray.get(self.manager.close.remote(), timeout=60)))
+        if self.pool is not None:
+            steps.append(("engines", self.pool.stop))
+        if self.trainer is not None:
+            steps.append(("trainer", self.trainer.shutdown))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as error:  # keep closing the rest; report the first failure
+                logger.warning("closing the %s failed: %s", what, error)
+                errors.append(error)
+        if self.manager is not None:
+            ray.kill(self.manager, no_restart=True)
+        if errors:
+            raise errors[0]
 
 
 def engines_call(urls: list[str], route: str, *args, timeout_s: float = 300.0) -> None:
@@ -176,44 +397,60 @@ def engines_call(urls: list[str], route: str, *args, timeout_s: float = 300.0) -
 
 def engine_config(job: JobConfig, plan: PlacementPlan, index: int) -> dict:
     """EngineConfig fields for engine `index` of the job."""
-    on_gpu = plan.mode != "cpu"
+    on_gpu, flags = plan.mode != "cpu", job.engine
     # Without --rollout-max-prompt-len prompts may be as long as the model allows: its own context length.
     prompt_len, response_len = job.data.rollout_max_prompt_len, job.rollout.rollout_max_response_len
     context = prompt_len + (response_len or 1024) if prompt_len else None
-    return {
+    config = {
         "model_path": job.model.hf_checkpoint,
         "device": "cuda" if on_gpu else "cpu",
         "dtype": "bfloat16" if on_gpu else "float32",
-        "mem_fraction_static": 0.4 if plan.mode == "colocate" else 0.85,
-        "context_length": context,
+        "mem_fraction_static": flags.sglang_mem_fraction_static or (0.4 if plan.mode == "colocate" else 0.85),
+        "context_length": flags.sglang_context_length or context,
         "seed": job.rollout.rollout_seed + index,
-        "enable_cuda_graph": on_gpu,
+        "enable_cuda_graph": on_gpu and not flags.sglang_disable_cuda_graph,
+        "enable_prefix_caching": not flags.sglang_disable_radix_cache,
+        "attention_backend": flags.attention_backend,
     }
+    if flags.sglang_max_running_requests is not None:
+        config["max_running_requests"] = flags.sglang_max_running_requests
+    return config
+
+
+def _metric_logger(job: JobConfig):
+    from clawrl.metrics.logger import MetricLogger
+
+    log = job.logging
+    return MetricLogger(
+        log.output_dir, run_name=log.run_name, config=job.to_dict(), use_tensorboard=log.use_tensorboard,
+        use_wandb=log.use_wandb, wandb_project=log.wandb_project, wandb_group=log.wandb_group,
+        wandb_key=log.wandb_key, wandb_mode=log.wandb_mode or os.environ.get("WANDB_MODE") or "online",
+        resume=bool(job.model.load), checks=_checks(job),
+    )  # fmt: skip
+
+
+def _save_tokenizer(model_dir: str | None, dump_dir: str) -> None:
+    """--dump-details: the tokenizer beside the dumps, so the directory alone can be read and replayed."""
+    if not model_dir:
+        return
+    from transformers import AutoTokenizer
+
+    out = os.path.join(dump_dir, "tokenizer")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    logger.info("--dump-details: tokenizer saved to %s", out)
 
 
 def _checks(job: JobConfig) -> list:
-    """--ci-test: assertions that watch the metric stream (the training code has no CI branches)."""
-    ci = job.ci
-    if not ci.ci_test:
-        return []
-    from clawrl.metrics.checks import CITestChecks, MetricThresholdCheck
+    """Checks that watch the metric stream (--ci-test, --ci-*-grad-norm, the text check); no CI branches."""
+    from clawrl.metrics.checks import build_checks
 
-    checks = [
-        CITestChecks(
-            check_kl=not ci.ci_disable_kl_checker,
-            logprob_abs_diff_threshold=ci.ci_train_rollout_logprob_abs_diff_threshold,
-        )
-    ]
-    if ci.ci_metric_checker_key is not None:
-        checks.append(MetricThresholdCheck(ci.ci_metric_checker_key, ci.ci_metric_checker_threshold))
-    return checks
+    return build_checks(job)
 
 
-def _wait_all(refs: list, what: str, timeout_s: float) -> list:
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        raise TimeoutError(f"{what}: {len(pending)} of {len(refs)} did not finish within {timeout_s:.0f} s")
-    return ray.get(refs)
+def _check_fault_target(job: JobConfig, plan: PlacementPlan) -> None:
+    spec = job.fault.fault_injection
+    if spec and FaultSpec.parse(spec).engine >= plan.num_engines:
+        raise ConfigError(f"--fault-injection {spec!r}: the job has {plan.num_engines} engine(s)")
 
 
 def periodic(rollout_id: int, interval: int | None, num_rollout: int | None = None) -> bool:

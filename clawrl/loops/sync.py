@@ -26,7 +26,7 @@ def train(job: JobConfig) -> None:
             metrics.update(run.sync_weights(rollout_id + 1))
             if periodic(rollout_id, job.eval.eval_interval, run.num_rollout):
                 pending_eval = timed_eval(run, rollout_id + 1)
-            if periodic(rollout_id, job.model.save_interval, run.num_rollout) and job.model.save:
+            if run.save_due(rollout_id):
                 run.save(rollout_id)
             run.log(rollout_id, metrics)
         if pending_eval:  # the final weights' eval: one last row, step num_rollout

@@ -3,7 +3,7 @@
     {"step": 3, "time": 1767225600.123, "rollout/raw_reward": 0.42, "train/ppo_kl": 0.0, ...}
 
 `step` is the 0-based rollout id (slime's `rollout_id`), `time` the unix time of the log call. Every other
-key is a metric name (ARCHITECTURE.md section 4) with a number as value.
+key is a metric name (docs/architecture.md) with a number as value.
 
 Non-finite floats: strict JSON has no NaN or infinity, so they are written as the strings "NaN",
 "Infinity" and "-Infinity" (the spellings of JavaScript and of Python's own non-strict json). The file

@@ -22,6 +22,11 @@ lines at or after the resume step are dropped (they were logged after the checkp
 and TensorBoard events from that step on are purged. The resume step is `resume_step=k` when given, else
 (`resume=True`) the first step the resumed run logs. Checks (clawrl/metrics/checks.py) observe every
 logged step after its line is written, so a failing run's last line is on disk.
+
+Checks at close: `close()` runs the checks' end-of-run verdicts only when the run is ending well. Once a
+check has failed, or while any exception is propagating (the loop's `finally: run.close()`), a verdict such
+as "eval/gsm8k was never logged" would only bury the first error under a second one, so it is skipped. Then
+the table of every check (measured values, bounds, results, and why a check could not run) is printed.
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from clawrl.metrics.checks import MetricCheck
+from clawrl.metrics.checks import MetricCheck, MetricCheckError, format_check_table
 from clawrl.metrics.jsonl import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -151,6 +157,8 @@ class MetricLogger:
         self._file: TextIO | None = None  # opened by the first log, once the resume cut is known
         self._sinks: list[_TensorBoardSink | _WandbSink] = []
         self._closed = False
+        self.check_failure: MetricCheckError | None = None
+        """The first check that failed (then close() runs no end-of-run verdict)."""
         if wandb is not None:
             wandb_args = dict(project=wandb_project, group=wandb_group, key=wandb_key, mode=wandb_mode)
             self._sinks.append(_WandbSink(wandb, self.output_dir, run_name, self.config, **wandb_args))
@@ -197,17 +205,48 @@ class MetricLogger:
         self.last_step = step
         for sink in self._sinks:
             sink.log(step, flat)
-        for check in self.checks:
-            check.on_log(step, flat)
+        self._run_checks(step, metrics.get("train"), flat)
         return flat
 
+    def _run_checks(self, step: int, train: Any, flat: dict[str, int | float]) -> None:
+        per_step = [normalize_metrics(s) for s in train] if isinstance(train, (list, tuple)) else []
+        try:
+            for check in self.checks:
+                if per_step:
+                    check.on_train_steps(step, per_step)
+                check.on_log(step, flat)
+        except MetricCheckError as e:
+            self.check_failure = self.check_failure or e
+            raise
+
     def close(self) -> None:
-        """Close the files and sinks, then run the checks' end-of-run verdicts (which may raise)."""
+        """Close the files and sinks; when the run ends well, run the checks' end-of-run verdicts; print
+        the check table; raise the first verdict that failed."""
+        self._finish(run_ended_well=sys.exc_info()[1] is None)
+
+    def _finish(self, *, run_ended_well: bool) -> None:
         if self._closed:
             return
         self._close_outputs()
+        failure = None
+        if run_ended_well and self.check_failure is None:
+            failure = self._close_checks()
+        table = format_check_table(self.checks)
+        if table:
+            print(table, flush=True)
+        if failure is not None:
+            raise failure
+
+    def _close_checks(self) -> MetricCheckError | None:
+        """Every check's on_close (all of them, so the table is complete); returns the first failure."""
+        first = None
         for check in self.checks:
-            check.on_close()
+            try:
+                check.on_close()
+            except MetricCheckError as e:
+                first = first or e
+        self.check_failure = first
+        return first
 
     def _close_outputs(self) -> None:
         self._closed = True
@@ -222,10 +261,7 @@ class MetricLogger:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        elif not self._closed:
-            self._close_outputs()  # the run already failed: end-of-run checks would only hide why
+        self._finish(run_ended_well=exc_type is None)
 
 
 def _keep_steps_before(path: Path, cut: int) -> int | None:

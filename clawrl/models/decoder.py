@@ -1,6 +1,6 @@
 """CausalLM: the Qwen2/Qwen2.5, Qwen3 and Llama decoder family, once, with HF parameter names.
 
-The same module serves both execution modes of ARCHITECTURE.md decision 1: the trainer runs it over
+The same module serves both execution modes: the trainer runs it over
 packed full sequences (`VarlenAttention`, autograd), the engine over a paged KV cache (its own
 AttentionBackend). The model sees flat tokens only and never branches on tensor values, so a forward can
 be captured in a CUDA graph.

@@ -1,6 +1,6 @@
 """clawrl's default rollout: generate and reward prompt groups, dynamic sampling, abort of the leftovers.
 
-The training loop follows slime's `generate_rollout_async` (reference/slime.md 2.5):
+The training loop follows slime's `generate_rollout_async`:
 
     while fewer than --rollout-batch-size groups are kept:
         while fewer than --rollout-batch-size groups are in flight or kept:

@@ -99,7 +99,9 @@ class RolloutManager:
             request_timeout_s=request_timeout_s,
             health_timeout_s=health_timeout_s,
             max_concurrent_requests=max_concurrency_per_engine * len(engine_urls),
+            fault_tolerant=job.fault.use_fault_tolerance,
         )
+        self._retried_before = 0  # router.num_retried when the current rollout started
         self._cursor_before: dict[int, dict[str, Any]] = {}
         self.last_samples: list[Sample] = []
         """The samples of the latest `generate`, in batch order (weight versions, text, metadata)."""
@@ -195,6 +197,25 @@ class RolloutManager:
         """Evaluate on every --eval-prompt-data dataset: {"eval/<name>": mean reward, ...}."""
         return self._run(self._eval(rollout_id), f"eval(rollout_id={rollout_id})")
 
+    def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Fault tolerance: route to `new_url` (a replacement serving the current weights) instead of `old_url`."""
+        self._run(_call_soon(self.router.replace, old_url, new_url), "replace_engine()", timeout_s=30.0)
+        self.args.rollout_engine_urls = self.router.urls
+
+    def arm_fault(self, url: str, engine_actor: Any, mode: str) -> None:
+        """Fault injection (tests): break the engine at `url` (its Ray actor handle) once, just after the
+        router sends it the next request, so that request is in flight when the engine dies or freezes."""
+
+        def fire() -> None:
+            engine_actor.inject_fault.remote(mode)  # never returns: the process exits or freezes
+            logger.warning("fault injection: engine %s %s with requests in flight", url, mode)
+
+        self._run(_call_soon(self.router.arm_fault, url, fire), "arm_fault()", timeout_s=30.0)
+
+    def router_stats(self) -> dict[str, dict[str, int]]:
+        """Per engine URL: requests outstanding now and served so far (callable while a rollout runs)."""
+        return self._run(_call_soon(self.router.stats), "router_stats()", timeout_s=30.0)
+
     def check_health(self) -> dict[str, dict[str, Any]]:
         """GET /health_generate on every engine within the router's deadline; EngineHealthError if any is dead."""
         return self._run(self.router.check_health(), "check_health()")
@@ -287,6 +308,10 @@ class RolloutManager:
             rollout_time_s=time.monotonic() - started,
             num_rollout_devices=self.num_rollout_devices,
         )
+        if self.router.fault_tolerant:
+            metrics["rollout/requests_retried"] = float(self.router.num_retried - self._retried_before)
+            self._retried_before = self.router.num_retried
+        self._save_dump(rollout_id, self.last_samples, {"kind": "train", "metrics": dict(metrics)})
         return batch, {**metrics, **extra}
 
     async def _collect(self, ctx: RolloutContext):
@@ -310,35 +335,30 @@ class RolloutManager:
     def _to_batch(
         self, rollout_id: int, groups: list[list[Sample]], producer: str
     ) -> tuple[TrainBatch, list[float], list[list[Sample]]]:
-        if all(g[0].index is not None for g in groups):
-            groups = sorted(groups, key=lambda g: g[0].index)
-        samples = [s for g in groups for s in g]
-        check_rollout_samples(samples, producer)
-        for s in samples:
-            s.rollout_id = rollout_id if s.rollout_id is None else s.rollout_id
-        raw = [s.get_reward_value(self.job.rollout.reward_key) for s in samples]
-        rewards = self._post_process(raw, groups)
-        return TrainBatch.from_samples(rollout_id, samples, rewards, raw), raw, groups
+        return train_batch_from_groups(self.job, rollout_id, groups, producer)
 
-    def _post_process(self, raw: list[float], groups: list[list[Sample]]) -> list[float]:
-        a = self.job.algo
-        sizes = sorted({len(g) for g in groups})
-        grouped = a.advantage_estimator == "rloo" or (
-            a.rewards_normalization and a.advantage_estimator not in _UNGROUPED_ESTIMATORS
+    def _save_dump(self, rollout_id: int | str, samples: list[Sample], extra_meta: dict[str, Any]) -> None:
+        """--save-debug-rollout-data: the rollout's samples plus what a replay needs."""
+        template = self.job.debug.save_debug_rollout_data
+        if template is None:
+            return
+        from clawrl.debug.dump import config_hash, dump_path, save_rollout_dump
+
+        evaluation = isinstance(rollout_id, str)
+        params = eval_sampling_params(self.args) if evaluation else train_sampling_params(self.args)
+        versions = sorted({v for s in samples for v in s.weight_versions})
+        meta = {
+            "weight_version": versions[-1] if len(versions) == 1 else None,
+            "weight_versions": versions,
+            "sampling_params": dict(params),
+            "tokenizer": self.job.model.hf_checkpoint,
+            "config_hash": config_hash(self.job.to_dict()),
+            **extra_meta,
+        }
+        path = save_rollout_dump(
+            dump_path(template, rollout_id), rollout_id=rollout_id, samples=samples, meta=meta
         )
-        if grouped and len(sizes) > 1:
-            raise ValueError(
-                f"--advantage-estimator {a.advantage_estimator} normalises rewards per prompt group, but the "
-                f"rollout's groups have different sizes {sizes}; make every group the same size"
-            )
-        rewards = postprocess_rewards(
-            a.advantage_estimator,
-            torch.tensor(raw, dtype=torch.float64),
-            sizes[0],
-            rewards_normalization=a.rewards_normalization,
-            grpo_std_normalization=a.grpo_std_normalization,
-        )
-        return rewards.tolist()
+        logger.info("rollout %s: %d samples dumped to %s", rollout_id, len(samples), path)
 
     # ------------------------------------------------------------------------------------------------
     # evaluation
@@ -359,7 +379,20 @@ class RolloutManager:
         metrics: dict[str, float] = {}
         for name, entry in data.items():
             metrics.update(eval_metrics(name, entry))
+        self._save_eval_dump(rollout_id, data, metrics)
         return {**metrics, **extra}
+
+    def _save_eval_dump(self, rollout_id: int, data: dict[str, Any], metrics: dict[str, float]) -> None:
+        """Evals dump as rollout id eval_<k>: every dataset's samples in one list, positions per dataset."""
+        samples: list[Sample] = []
+        datasets: dict[str, list[int]] = {}
+        for name, entry in data.items():
+            found = [s for s in entry.get("samples", []) if isinstance(s, Sample)]
+            datasets[name] = list(range(len(samples), len(samples) + len(found)))
+            samples.extend(found)
+        self._save_dump(
+            f"eval_{rollout_id}", samples, {"kind": "eval", "datasets": datasets, "metrics": metrics}
+        )
 
     async def _eval_dataset(self, name: str) -> dict[str, Any]:
         samples = await generate_eval_samples(
@@ -378,6 +411,48 @@ class RolloutManager:
             "truncated": [s.status == Status.TRUNCATED for s in finished],
             "samples": finished,
         }
+
+
+def train_batch_from_groups(
+    job: Any, rollout_id: int, groups: list[list[Sample]], producer: str
+) -> tuple[TrainBatch, list[float], list[list[Sample]]]:
+    """Rewarded groups -> (TrainBatch, raw rewards, groups in batch order), as slime's RolloutManager does:
+    groups sorted by their first sample's index, raw rewards post-processed per --advantage-estimator.
+    Shared by generation and replay (--load-debug-rollout-data), so both train on identical batches."""
+    if all(g[0].index is not None for g in groups):
+        groups = sorted(groups, key=lambda g: g[0].index)
+    samples = [s for g in groups for s in g]
+    check_rollout_samples(samples, producer)
+    for s in samples:
+        s.rollout_id = rollout_id if s.rollout_id is None else s.rollout_id
+    raw = [s.get_reward_value(job.rollout.reward_key) for s in samples]
+    rewards = _post_process(job.algo, raw, groups, producer)
+    return TrainBatch.from_samples(rollout_id, samples, rewards, raw), raw, groups
+
+
+def _post_process(a: Any, raw: list[float], groups: list[list[Sample]], producer: str) -> list[float]:
+    sizes = sorted({len(g) for g in groups})
+    grouped = a.advantage_estimator == "rloo" or (
+        a.rewards_normalization and a.advantage_estimator not in _UNGROUPED_ESTIMATORS
+    )
+    if grouped and len(sizes) > 1:
+        raise ValueError(
+            f"--advantage-estimator {a.advantage_estimator} normalises rewards per prompt group, but the "
+            f"groups from {producer} have different sizes {sizes}; make every group the same size"
+        )
+    rewards = postprocess_rewards(
+        a.advantage_estimator,
+        torch.tensor(raw, dtype=torch.float64),
+        sizes[0],
+        rewards_normalization=a.rewards_normalization,
+        grpo_std_normalization=a.grpo_std_normalization,
+    )
+    return rewards.tolist()
+
+
+async def _call_soon(fn, *args) -> Any:
+    """Run a plain function on the manager's event loop (the router's state belongs to that loop)."""
+    return fn(*args)
 
 
 async def _with_deadline(coroutine: Coroutine[Any, Any, Any], timeout_s: float, what: str) -> Any:

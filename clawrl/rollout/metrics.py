@@ -1,4 +1,4 @@
-"""Rollout and evaluation metrics (slime's names, reference/slime.md section 10), from finished samples.
+"""Rollout and evaluation metrics (slime's names where slime has them), from finished samples.
 
 Rollout (one dict per `RolloutManager.generate`):
     rollout/raw_reward                    mean reward as the reward function returned it
@@ -9,6 +9,9 @@ Rollout (one dict per `RolloutManager.generate`):
     rollout/aborted_samples               leftover samples aborted on the engines after the batch was full
     rollout/weight_version{,_max}         oldest / newest engine weight version that produced the batch
                                           (numeric versions only; the loop's versions are rollout counts)
+    rollout/text/{empty_ratio,bad_char_ratio,repetition}   does the decoded text look like language?
+                                          (clawrl/debug/language.py; judged by the text check in
+                                          clawrl/metrics/checks.py: a warning, or a failure under --ci-test)
     perf/rollout_time                     seconds for the whole rollout
     perf/tokens_per_gpu_per_sec           response tokens of the batch / rollout time / rollout devices
     perf/longest_sample_tokens_per_sec    longest response / rollout time
@@ -25,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from clawrl.data.sample import Sample, Status
+from clawrl.debug.language import text_metrics
 
 
 def rollout_metrics(
@@ -51,6 +55,7 @@ def rollout_metrics(
         "perf/rollout_time": rollout_time_s,
     }
     metrics.update(_weight_versions(samples))
+    metrics.update({f"rollout/text/{k}": v for k, v in text_metrics([s.response for s in samples]).items()})
     if estimator != "ppo":
         metrics.update(_zero_std_counts(groups, raw_rewards))
     for reason, count in sorted(drops.items()):

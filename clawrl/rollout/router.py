@@ -50,6 +50,15 @@ class EngineHealthError(EngineRouterError):
         self.statuses = statuses
 
 
+def _engine_failed(error: EngineClientError) -> bool:
+    """True when the engine (not the request) failed: it refused, dropped or reset the connection, or
+    answered 502/503. A timeout is not one: the engine may be slow, and the health monitor judges that."""
+    cause = error.__cause__
+    if isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException):
+        return True
+    return error.status_code in (502, 503)
+
+
 def _unreachable(error: EngineClientError) -> bool:
     """True when the request certainly did not run on that engine, so another may take it."""
     cause = error.__cause__
@@ -70,6 +79,7 @@ class EngineRouter:
         max_failovers: int | None = None,
         down_cooldown_s: float = 5.0,
         max_concurrent_requests: int | None = None,
+        fault_tolerant: bool = False,
     ) -> None:
         urls = [url.rstrip("/") for url in urls]
         if not urls:
@@ -95,6 +105,12 @@ class EngineRouter:
         self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._max_concurrent = max_concurrent_requests
         self._slots: asyncio.Semaphore | None = None  # created on the loop that uses the router
+        self.fault_tolerant = fault_tolerant
+        self._stale_clients: list[AsyncEngineClient] = []  # of replaced engines, closed by aclose
+        self._dead: set[str] = set()  # fault tolerance: engines whose process failed, until replaced
+        self.num_retried = 0
+        self._fault: tuple[str, Any] | None = None  # (url, fire) armed by arm_fault
+        """Fault tolerance: requests re-sent because their engine failed while serving them."""
 
     @property
     def urls(self) -> list[str]:
@@ -122,6 +138,8 @@ class EngineRouter:
             return await self._generate_with_failover(payload, session_id)
 
     async def _generate_with_failover(self, payload: dict[str, Any], session_id: str | None) -> Any:
+        if self.fault_tolerant:
+            return await self._generate_until_served(payload, session_id)
         tried: list[str] = []
         errors: list[str] = []
         while True:
@@ -140,12 +158,64 @@ class EngineRouter:
                         + "; ".join(errors)
                     ) from error
 
+    async def _generate_until_served(self, payload: dict[str, Any], session_id: str | None) -> Any:
+        """Fault tolerance: a request whose engine fails at the transport level (refused, reset, 502/503) is
+        re-sent to a live engine, or waits for a replacement, until `request_timeout_s` has passed. Nothing of
+        a failed attempt is kept (the caller appends only a complete response), and the request carries its
+        own seed, so the answer is what a healthy engine would have given with the same weights."""
+        deadline = time.monotonic() + self.request_timeout_s
+        errors: list[str] = []
+        while True:
+            live = [url for url in self._urls if url not in self._dead]
+            if not live:
+                if time.monotonic() > deadline:
+                    raise EngineRouterError(
+                        f"POST /generate: no live engine for {self.request_timeout_s} s: "
+                        + "; ".join(errors[-4:])
+                    )
+                await asyncio.sleep(0.2)  # a replacement is being started
+                continue
+            url = self._pick(session_id, exclude=[u for u in self._urls if u in self._dead])
+            try:
+                return await self._generate_on(url, payload)
+            except EngineClientError as error:
+                if not _engine_failed(error) or time.monotonic() > deadline:
+                    raise
+                self._dead.add(url)
+                self.num_retried += 1
+                errors.append(f"{url}: {error}")
+
+    def arm_fault(self, url: str, fire) -> None:
+        """Fault injection (tests): call `fire()` once, shortly after the next request is sent to `url`."""
+        self._fault = (url.rstrip("/"), fire)
+
+    def replace(self, old_url: str, new_url: str) -> None:
+        """Fault tolerance: engine `old_url` was replaced by `new_url` (which serves the current weights)."""
+        new_url = new_url.rstrip("/")
+        index = self._urls.index(old_url.rstrip("/"))
+        old = self._urls[index]
+        self._urls[index] = new_url
+        self._clients[new_url] = AsyncEngineClient(new_url, timeout=self.request_timeout_s)
+        self._outstanding[new_url], self._served[new_url], self._down_until[new_url] = 0, 0, 0.0
+        self._dead.discard(old)
+        stale = self._clients.pop(old)
+        for table in (self._outstanding, self._served, self._down_until):
+            table.pop(old, None)
+        for session, url in list(self._sessions.items()):
+            if url == old:
+                del self._sessions[session]
+        self._stale_clients.append(stale)
+
     async def _generate_on(self, url: str, payload: dict[str, Any]) -> Any:
+        client = self._clients[url]
         self._outstanding[url] += 1
+        if self._fault is not None and self._fault[0] == url:
+            fire, self._fault = self._fault[1], None
+            asyncio.get_running_loop().call_later(0.05, fire)  # once the request has reached the engine
         try:
             # The client's timeout bounds each network wait; wait_for bounds the whole call.
             result = await asyncio.wait_for(
-                self._clients[url].generate(**payload, timeout=self.request_timeout_s),
+                client.generate(**payload, timeout=self.request_timeout_s),
                 self.request_timeout_s + 5.0,
             )
         except asyncio.TimeoutError:
@@ -153,8 +223,10 @@ class EngineRouter:
                 f"POST {url}/generate did not finish within {self.request_timeout_s} s", route=url
             ) from None
         finally:
-            self._outstanding[url] -= 1
-        self._served[url] += 1
+            if url in self._outstanding:  # the engine may have been replaced meanwhile
+                self._outstanding[url] -= 1
+        if url in self._served:
+            self._served[url] += 1
         return result
 
     def _pick(self, session_id: str | None, exclude: list[str]) -> str:
@@ -249,4 +321,5 @@ class EngineRouter:
 
     async def aclose(self) -> None:
         """Close the HTTP clients (call from the loop that used the router)."""
-        await asyncio.gather(*(client.aclose() for client in self._clients.values()))
+        clients = [*self._clients.values(), *self._stale_clients]
+        await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)

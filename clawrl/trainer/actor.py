@@ -26,7 +26,7 @@ from clawrl.config.plugins import load_function
 from clawrl.data.train_batch import TrainBatch
 from clawrl.models.config import load_model_args
 from clawrl.models.decoder import CausalLM
-from clawrl.models.hf_io import load_model, save_hf
+from clawrl.models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_hf_dir, load_model, source_dtype
 from clawrl.models.layers import enable_train_kernels
 from clawrl.models.loader import iter_safetensors, load_weights
 from clawrl.trainer import checkpoint as ckpt
@@ -44,6 +44,7 @@ from clawrl.trainer.rl_step import (
     per_sample_mean,
     plan_steps,
 )
+from clawrl.trainer.train_dump import TRAIN_RECORDS_KEY, TrainDataRecorder
 from clawrl.trainer.weights import WeightBank, iter_full_tensors, iter_weight_buckets, tensor_checksum
 
 
@@ -156,7 +157,9 @@ class TrainActor:
                 ref_log_probs = compute_log_probs(
                     self.model, batch, steps, self.rank, self.device, temperature
                 )
-        advantages = compute_advantages(batch, my_ids, self.job.algo, log_probs, ref_log_probs, self.device)
+        advantages, returns = compute_advantages(
+            batch, my_ids, self.job.algo, log_probs, ref_log_probs, self.device
+        )
         per_token = {"old_log_probs": log_probs, "advantages": advantages}
         if ref_log_probs is not None:
             per_token["ref_log_probs"] = ref_log_probs
@@ -165,8 +168,24 @@ class TrainActor:
                 i: torch.tensor(batch.rollout_log_probs[i], dtype=torch.float32) for i in my_ids
             }
         metrics = self._rollout_metrics(batch, log_probs, ref_log_probs, advantages)
+        recorder = (
+            TrainDataRecorder(self.rank, self.job.algo.kl_loss_type)
+            if self.job.debug.save_debug_train_data
+            else None
+        )
         with watch("actor_train"):
-            metrics["train"] = [self._optimizer_step(batch, s, per_token, temperature) for s in steps]
+            metrics["train"] = [
+                self._optimizer_step(batch, s, per_token, temperature, recorder=recorder, step_index=k)
+                for k, s in enumerate(steps)
+            ]
+        if recorder is not None:  # the driver gathers every rank's records and writes the train dump
+            metrics[TRAIN_RECORDS_KEY] = recorder.records(
+                batch,
+                log_probs=log_probs,
+                ref_log_probs=ref_log_probs,
+                advantages=advantages,
+                returns=returns,
+            )
         metrics.update({f"perf/{k}_time": v for k, v in watch.times.items()})
         num_tokens = sum(batch.total_lengths)
         metrics["perf/actor_train_tok_per_s"] = (
@@ -195,12 +214,15 @@ class TrainActor:
             out["rollout/rollout_log_probs"] = per_sample_mean(rollout, batch, self.device)
         return out
 
-    def _optimizer_step(self, batch, step, per_token, temperature) -> dict[str, float]:
+    def _optimizer_step(self, batch, step, per_token, temperature, *, recorder=None, step_index=0):
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = {}
-        for mb, is_last in _with_last(micro_batches(batch, step, self.rank, self.device, per_token)):
+        mbs = micro_batches(batch, step, self.rank, self.device, per_token)
+        for mb_index, (mb, is_last) in enumerate(_with_last(mbs)):
             self._defer_grad_sync(until_last=is_last)
             log_probs, entropy = forward_log_probs(self.model, mb, temperature, with_entropy=True)
+            if recorder is not None:
+                recorder.add_micro_batch(step_index, mb_index, mb, entropy)
             loss, metrics = self.loss_fn(mb, log_probs, entropy, step.counts)
             # FSDP averages gradients over ranks; the loss terms are already global sums, so undo the mean.
             (loss * self.world_size).backward()
@@ -247,24 +269,31 @@ class TrainActor:
             path = ckpt.save_checkpoint(self.job.model.save, rollout_id, self.model, self.optimizer, meta)
         return str(path)
 
-    def export_hf(self, out_dir: str) -> None:
-        """Write the current (fp32) weights as a HF directory: safetensors, config, and the tokenizer and
-        generation files of --hf-checkpoint. Rank 0 writes; every rank must call (the gather is collective).
-        Each tensor goes to host memory as soon as it is gathered, so no device holds a second full model."""
+    def export_hf(
+        self,
+        out_dir: str,
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ) -> str:
+        """Write the current weights as a HF directory (`--save-hf`): safetensors in `dtype` (default: that
+        of --hf-checkpoint), sharded above `max_shard_bytes`, its config, tokenizer and generation files.
+        Rank 0 writes (atomically: OUT.tmp-* renamed); every rank must call (the gather is collective).
+        Each tensor is cast on its own device, then goes to host memory as soon as it is gathered, so no
+        device holds a second full model. Returns `out_dir`."""
+        source = self.job.model.hf_checkpoint
+        dtype = dtype or source_dtype(source)
         state: dict[str, torch.Tensor] = {}
-        with self._onloaded("params"):
-            for name, tensor in iter_full_tensors(self.model):
-                if self.rank == 0:
-                    state[name] = tensor.to("cpu")
-        if self.rank == 0:
-            source = self.job.model.hf_checkpoint
-            if self.job.model.model_impl == "hf":
-                from clawrl.trainer.hf_model import save_hf_model
-
-                save_hf_model(state, out_dir, source_dir=source)
-            else:
-                save_hf(native_model_from(state, source), out_dir, source_dir=source)
-        dist.barrier()
+        try:
+            with self._onloaded("params"):
+                for name, tensor in iter_full_tensors(self.model, dtype):
+                    if self.rank == 0:
+                        state[name] = tensor.to("cpu")
+            if self.rank == 0:
+                export_hf_dir(state, out_dir, source_dir=source, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        finally:
+            dist.barrier()  # also when rank 0 failed to write: no rank is left waiting in a later collective
+        return out_dir
 
     @property
     def engine_dtype(self) -> torch.dtype:

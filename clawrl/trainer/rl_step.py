@@ -92,10 +92,11 @@ def compute_log_probs(model, batch, steps, rank, device, temperature) -> dict[in
     return out
 
 
-def compute_advantages(batch, my_ids, algo, log_probs, ref_log_probs, device) -> dict[int, torch.Tensor]:
-    """{sample index: [R] advantages} for this rank's samples (whitened over all ranks if asked)."""
+def compute_advantages(batch, my_ids, algo, log_probs, ref_log_probs, device):
+    """({sample index: [R] advantages}, {sample index: [R] returns}) for this rank's samples; advantages are
+    whitened over all ranks if asked, returns never are."""
     if not my_ids:
-        return {}
+        return {}, {}
     lengths = [batch.response_lengths[i] for i in my_ids]
     mask = torch.tensor([m for i in my_ids for m in batch.loss_masks[i]], dtype=torch.float32, device=device)
     kl = None
@@ -104,7 +105,7 @@ def compute_advantages(batch, my_ids, algo, log_probs, ref_log_probs, device) ->
             torch.cat([log_probs[i] for i in my_ids]), torch.cat([ref_log_probs[i] for i in my_ids]),
             algo.kl_loss_type,
         )  # fmt: skip
-    advantages, _ = compute_advantages_and_returns(
+    advantages, returns = compute_advantages_and_returns(
         algo.advantage_estimator,
         rewards_B=torch.tensor([batch.rewards[i] for i in my_ids], dtype=torch.float32, device=device),
         response_lengths=lengths, loss_mask_N=mask, kl_N=kl, kl_coef=algo.kl_coef, gamma=algo.gamma,
@@ -112,7 +113,8 @@ def compute_advantages(batch, my_ids, algo, log_probs, ref_log_probs, device) ->
     )  # fmt: skip
     if algo.normalize_advantages:
         advantages = whiten_advantages(advantages, mask, sum_fn=all_reduce_sum)
-    return dict(zip(my_ids, advantages.float().split(lengths), strict=True))
+    per_sample = dict(zip(my_ids, advantages.float().split(lengths), strict=True))
+    return per_sample, dict(zip(my_ids, returns.float().split(lengths), strict=True))
 
 
 def per_sample_mean(values: dict[int, torch.Tensor], batch: TrainBatch, device) -> float:

@@ -30,7 +30,20 @@ from clawrl.config.train import TrainConfig
 
 # 4 prompts x 2 samples = 8 samples per rollout.
 BASE = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3"]
-GROUPS = ["model", "data", "rollout", "eval", "train", "algo", "resources", "logging", "ci"]
+GROUPS = [
+    "model",
+    "data",
+    "rollout",
+    "eval",
+    "engine",
+    "train",
+    "algo",
+    "resources",
+    "logging",
+    "ci",
+    "fault",
+    "debug",
+]
 
 
 def parse(*extra: str) -> JobConfig:
@@ -280,7 +293,7 @@ def test_eval_interval_needs_eval_data_and_eval_sampling_defaults_to_rollout():
 
 
 def test_save_interval_needs_save(tmp_path):
-    assert error_of("--save-interval", "10") == "--save-interval 10 requires --save DIR"
+    assert error_of("--save-interval", "10") == "--save-interval 10 requires --save DIR or --save-hf TEMPLATE"
     assert parse("--save-interval", "10", "--save", str(tmp_path)).model.save_interval == 10
 
 
