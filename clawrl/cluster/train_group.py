@@ -149,4 +149,7 @@ def _resume_hint(job: JobConfig) -> str:
     step = latest_iteration(save)
     if step is None:
         return f"no complete checkpoint in {save} yet"
-    return f"last complete checkpoint: {save} (rollout {step}); resume with --load {save}"
+    return (
+        f"last complete checkpoint: {save} (iteration {step}, after rollout {step - 1}); "
+        f"resume with --load {save}"
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -147,8 +148,8 @@ class Run:
         trainer = self.trainer.infos if self.trainer is not None else []
         return [*engines, *self.manager_info, *trainer]
 
-    def _wait(self, refs: list, what: str, timeout_s: float) -> list:
-        return wait_all(refs, what, timeout_s, self.actor_infos())
+    def _wait(self, refs: list, what: str, timeout_s: float, owner: str = "the rollout manager") -> list:
+        return wait_all(refs, what, timeout_s, self.actor_infos(), [owner] * len(refs))
 
     # --------------------------------------------------------------------------------------- steps
     def init_trainer(self) -> int:
@@ -365,25 +366,30 @@ class Run:
         print(line, flush=True)
 
     def close(self) -> None:
-        """Close everything that was opened, also after a failed start; the first error is raised last."""
+        """Close everything that was opened, also after a failed start. On a normal end each part gets a
+        minute and the first failure is raised; while an error propagates (a deadline fired, an actor died)
+        each gets a few seconds, failures are only logged, and the original error stays the one reported."""
+        failing = sys.exc_info()[0] is not None
+        grace = 5.0 if failing else 60.0
         errors = []
         steps = [("health monitor", lambda: self.monitor and self.monitor.stop()),
                  ("metrics", lambda: self.metrics and self.metrics.close())]  # fmt: skip
         if self.manager is not None:
-            steps.append(("rollout manager", lambda: ray.get(self.manager.close.remote(), timeout=60)))
+            steps.append(("rollout manager", lambda: ray.get(self.manager.close.remote(), timeout=grace)))
         if self.pool is not None:
-            steps.append(("engines", self.pool.stop))
+            steps.append(("engines", lambda: self.pool.stop(grace)))
         if self.trainer is not None:
-            steps.append(("trainer", self.trainer.shutdown))
+            steps.append(("trainer", lambda: self.trainer.shutdown(2 * grace)))
         for what, step in steps:
             try:
                 step()
-            except Exception as error:  # keep closing the rest; report the first failure
-                logger.warning("closing the %s failed: %s", what, error)
+            except Exception as error:  # keep closing the rest
+                if not failing:
+                    logger.warning("closing the %s failed: %s", what, error)
                 errors.append(error)
         if self.manager is not None:
             ray.kill(self.manager, no_restart=True)
-        if errors:
+        if errors and not failing:
             raise errors[0]
 
 

@@ -64,6 +64,19 @@ def test_fp32_greedy_equals_transformers(ckpt):
         assert result["output_ids"] == out[0, len(prompt) :].tolist()
 
 
+def test_torch_attention_backend_runs_the_reference_path_on_cuda(ckpt):
+    # --attention-backend torch (crash debugging): the reference runner on the GPU, no Triton, no graphs;
+    # fp32 greedy tokens equal the Triton path's.
+    from clawrl.engine.model_runner import ModelRunner
+
+    engine = make_engine(ckpt, dtype="float32", attention_backend="torch")
+    assert type(engine.runner) is ModelRunner
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    reference = engine.generate(PROMPTS, greedy)
+    triton = make_engine(ckpt, dtype="float32").generate(PROMPTS, greedy)
+    assert [r["output_ids"] for r in reference] == [r["output_ids"] for r in triton]
+
+
 def test_bf16_logprobs_close_to_a_full_forward(ckpt):
     from transformers import AutoModelForCausalLM
 
