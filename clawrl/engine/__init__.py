@@ -1,1 +1,1 @@
-"""Built-in inference engine: paged KV cache, continuous batching, sampling (see notes/ENGINE_API.md)."""
+"""Built-in inference engine: paged KV cache, continuous batching, sampling (see docs/engine.md)."""

@@ -1,4 +1,4 @@
-"""Engine: the synchronous engine core (notes/ENGINE_API.md). One thread calls add/abort/step.
+"""Engine: the synchronous engine core (docs/engine.md). One thread calls add/abort/step.
 
     engine = Engine(EngineConfig(model_path="/tmp/tiny-qwen2"))
     outs = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, temperature=0.7, seed=1))

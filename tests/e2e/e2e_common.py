@@ -111,7 +111,7 @@ def output_dir(test_file: str) -> Path:
 
 
 def gsm8k_flags(model: Path, data: Path) -> list[str]:
-    """The GSM8K GRPO recipe of slime's short test (reference/slime.md 9.5), on our flags."""
+    """The GSM8K GRPO recipe of slime's short test, on our flags."""
     return [
         "--hf-checkpoint", str(model), "--ref-load", str(model),
         "--prompt-data", str(data / "train.parquet"), "--input-key", "messages", "--label-key", "label",

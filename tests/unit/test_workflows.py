@@ -302,3 +302,13 @@ def test_ci_docs_cover_every_gpu_lock_exec_option_and_exit_code():
         "run-ci-short",
     ]:
         assert step in docs
+
+
+def test_hosted_cpu_job_runs_the_fault_tolerance_e2e_script():
+    cpu = parse((WORKFLOWS_DIR / "cpu-test.yml").read_text())
+    job = cpu["jobs"]["cpu-e2e-fault-tolerance"]
+    assert job["runs-on"] == "ubuntu-latest"
+    script = job["steps"][-1]["run"].split()[-1]
+    assert script == "tests/e2e/cpu_fault_tolerance.py"
+    text = (WORKFLOWS_DIR.parents[1] / script).read_text()
+    assert "--use-fault-tolerance" in text and "--ci-test" in text
