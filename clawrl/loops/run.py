@@ -430,9 +430,14 @@ def _metric_logger(job: JobConfig):
     return MetricLogger(
         log.output_dir, run_name=log.run_name, config=job.to_dict(), use_tensorboard=log.use_tensorboard,
         use_wandb=log.use_wandb, wandb_project=log.wandb_project, wandb_group=log.wandb_group,
-        wandb_key=log.wandb_key, wandb_mode=log.wandb_mode or os.environ.get("WANDB_MODE") or "online",
+        wandb_key=log.wandb_key, wandb_mode=wandb_mode(log.wandb_mode),
         resume=bool(job.model.load), checks=_checks(job),
     )  # fmt: skip
+
+
+def wandb_mode(flag: str | None) -> str:
+    """--wandb-mode if given, else the WANDB_MODE environment variable, else online (as --help says)."""
+    return flag or os.environ.get("WANDB_MODE") or "online"
 
 
 def _save_tokenizer(model_dir: str | None, dump_dir: str) -> None:

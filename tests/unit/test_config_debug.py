@@ -100,3 +100,13 @@ def test_engine_flags_reach_the_engine_config():
     defaults = engine_config(parse("--colocate", "--actor-num-gpus-per-node", "1"), plan, 0)
     assert defaults["mem_fraction_static"] == 0.4 and defaults["enable_cuda_graph"] is True
     assert defaults["attention_backend"] == "triton" and "max_running_requests" not in defaults
+
+
+def test_wandb_mode_honours_the_flag_then_wandb_mode_then_online(monkeypatch):
+    from clawrl.loops.run import wandb_mode
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert wandb_mode(None) == "online"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_mode(None) == "offline"
+    assert wandb_mode("disabled") == "disabled"
