@@ -128,6 +128,12 @@ def _output(job: JobConfig) -> None:
     for flag, path in (("--output-dir", job.logging.output_dir), ("--save", job.model.save)):
         if path:
             _writable(flag, Path(path))
+    metrics = Path(job.logging.output_dir or "") / "metrics.jsonl"
+    if job.logging.output_dir and not job.model.load and metrics.is_file() and metrics.stat().st_size > 0:
+        raise ConfigError(
+            f"--output-dir {job.logging.output_dir!r} already holds a run's metrics ({metrics}); "
+            "choose another directory, or resume that run with --load"
+        )
 
 
 def _writable(flag: str, path: Path) -> None:

@@ -153,6 +153,8 @@ def _batch_sizes(job: JobConfig) -> None:
 def _run_length(job: JobConfig) -> None:
     num_rollout, num_epoch = job.rollout.num_rollout, job.data.num_epoch
     if num_rollout is None and num_epoch is None:
+        if job.debug.load_debug_rollout_data:
+            return  # a replay runs as many rollouts as there are dumps
         raise ConfigError("one of --num-rollout or --num-epoch is required (both unset)")
     if num_epoch is None:
         return

@@ -48,10 +48,27 @@ class ReplaySource:
             if count == 0:
                 raise ConfigError(self._missing(0))
             logger.info("--load-debug-rollout-data: %d rollout dumps found, --num-rollout %d", count, count)
+            self._check_subsample_fits()
             return count
         if count < wanted:
             raise ConfigError(f"{self._missing(count)} (--num-rollout {wanted})")
+        self._check_subsample_fits()
         return wanted
+
+    def _check_subsample_fits(self) -> None:
+        """With --load-debug-rollout-data-subsample the kept samples must fill whole optimizer steps."""
+        if self.ratio is None:
+            return
+        from clawrl.debug.dump import load_rollout_dump, subsample
+
+        kept = len(subsample(load_rollout_dump(self.path(0)).samples, self.ratio))
+        step = self.job.train.global_batch_size
+        if kept == 0 or kept % step:
+            raise ConfigError(
+                f"--load-debug-rollout-data-subsample {self.ratio} keeps {kept} samples of {self.path(0)}, "
+                f"not a multiple of --global-batch-size {step}; pass --global-batch-size {max(kept, 1)} "
+                "(or a divisor of it)"
+            )
 
     def _missing(self, rollout_id: int) -> str:
         return (
