@@ -75,12 +75,15 @@ class EngineHealthMonitor:
                 reason = self.check(url)
                 if reason is None or epoch != self._epoch:
                     continue
-                logger.warning("engine %d (%s) failed its health check: %s; replacing it", index, url, reason)
                 try:
-                    self.recover(index, reason)
+                    self._replace(index, url, reason)
                 except BaseException as error:  # noqa: BLE001 (handed to the loop, which raises it)
                     logger.error("recovery of engine %d failed: %s", index, error)
                     self.error = error
+
+    def _replace(self, index: int, url: str, reason: str) -> None:
+        logger.warning("engine %d (%s) failed its health check: %s; replacing it", index, url, reason)
+        self.recover(index, reason)
 
     def check_now(self) -> int:
         """Check every engine now, in the caller's thread, and recover the failed ones (errors propagate);
@@ -90,10 +93,7 @@ class EngineHealthMonitor:
             for index, url in enumerate(self.urls()):
                 reason = self.check(url)
                 if reason is not None:
-                    logger.warning(
-                        "engine %d (%s) failed its health check: %s; replacing it", index, url, reason
-                    )
-                    self.recover(index, reason)
+                    self._replace(index, url, reason)
                     replaced += 1
         return replaced
 

@@ -33,11 +33,11 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import string
 import time
 
 from clawrl.config.errors import ConfigError
 from clawrl.config.job import JobConfig
+from clawrl.config.templates import check_template
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,8 @@ def _debug(job: JobConfig) -> None:
             f"{d.save_debug_train_data!r}: the train dump would overwrite the rollout dump"
         )
     for name in ("save_debug_rollout_data", "load_debug_rollout_data", "save_debug_train_data"):
-        _check_template(getattr(d, name), "--" + name.replace("_", "-"))
+        if getattr(d, name) is not None:
+            check_template(getattr(d, name), "--" + name.replace("_", "-"))
     if d.debug_rollout_only:
         _rollout_only_resources(job)
     _fault(job)
@@ -262,22 +263,6 @@ def _rollout_only_resources(job: JobConfig) -> None:
         logger.info("--debug-rollout-only: --offload-train and --offload-rollout turned off")
     res.offload = False
     res.offload_train = res.offload_rollout = False
-
-
-def _check_template(template: str | None, flag: str) -> None:
-    """A dump template is a str.format string whose only field is {rollout_id}."""
-    if template is None:
-        return
-    try:
-        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-    except ValueError as error:
-        raise ConfigError(f"{flag} {template!r} is not a valid template: {error}") from None
-    if fields - {"rollout_id"}:
-        raise ConfigError(
-            f"{flag} {template!r}: the only template field is {{rollout_id}}, got {sorted(fields - {'rollout_id'})}"
-        )
-    if not fields:
-        logger.warning("%s %r has no {rollout_id}: every dump overwrites this one file", flag, template)
 
 
 def _output(job: JobConfig) -> None:

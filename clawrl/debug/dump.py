@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import pickle
-import string
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,6 @@ from typing import Any, Literal
 
 import torch
 
-from clawrl.config.errors import ConfigError
 from clawrl.data.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -49,8 +47,6 @@ ROLLOUT_FORMAT_VERSION = 1
 ROLLOUT_KIND = "clawrl-rollout-data"
 TRAIN_FORMAT_VERSION = 1
 TRAIN_KIND = "clawrl-train-data"
-_FIELD = "rollout_id"
-_warned_templates: set[str] = set()
 
 
 class DumpError(ValueError):
@@ -64,32 +60,6 @@ class DumpError(ValueError):
 def dump_path(template: str, rollout_id: int | str) -> Path:
     """The file of one rollout: `template.format(rollout_id=rollout_id)` (evals pass "eval_N")."""
     return Path(template.format(rollout_id=rollout_id))
-
-
-def template_fields(template: str) -> list[str]:
-    """The replacement-field names of a format template, in order; ValueError if it is malformed."""
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-
-
-def check_template(template: str, flag: str) -> None:
-    """ConfigError naming `flag` unless `{rollout_id}` is the template's only field; a warning (once per
-    template) when it has none, because then every dump overwrites the same file."""
-    try:
-        fields = template_fields(template)
-        bad = [name for name in fields if name != _FIELD]
-        # A format spec such as {rollout_id:03d} must work for train ids (ints) and eval ids ("eval_N").
-        if not bad:
-            template.format(rollout_id=0), template.format(rollout_id="eval_0")
-    except (ValueError, TypeError, IndexError, KeyError) as err:
-        raise ConfigError(f"{flag} {template!r} is not a valid template: {err}") from None
-    if bad:
-        raise ConfigError(
-            f"{flag} {template!r}: only {{rollout_id}} may appear in braces, found {{{bad[0]}}} "
-            "(write a literal brace as {{ or }})"
-        )
-    if not fields and template not in _warned_templates:
-        _warned_templates.add(template)
-        logger.warning("%s %r has no {rollout_id}: every dump overwrites %s", flag, template, template)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -27,14 +27,13 @@ from typing import Any
 import torch
 
 from clawrl.config.errors import ConfigError
+from clawrl.config.templates import check_template, template_fields
 from clawrl.data.sample import Sample
 from clawrl.debug.dump import (
     RolloutDump,
-    check_template,
     dump_path,
     load_rollout_dump,
     load_train_dump,
-    template_fields,
 )
 
 CATEGORIES = ("train", "eval")

@@ -32,7 +32,7 @@ def parse(*extra):
         (["--debug-train-only"], "--debug-train-only needs --load-debug-rollout-data"),
         (["--save-debug-rollout-data", "x/{rollout_id}.pt", "--save-debug-train-data", "x/{rollout_id}.pt"],
          "are the same template"),
-        (["--save-debug-rollout-data", "x/{step}.pt"], "the only template field is {rollout_id}, got ['step']"),
+        (["--save-debug-rollout-data", "x/{step}.pt"], "only {rollout_id} may appear in braces, found {step}"),
         (["--save-debug-rollout-data", "x/{rollout_id.pt"], "is not a valid template"),
         (["--load-debug-rollout-data-subsample", "0"], "--load-debug-rollout-data-subsample must be in (0.0, 1.0]"),
         (["--sglang-mem-fraction-static", "1.0"], "--sglang-mem-fraction-static must be in (0, 1), got 1.0"),
@@ -54,7 +54,7 @@ def test_load_implies_train_only_and_dump_details_sets_both_templates():
 def test_template_without_rollout_id_warns_that_dumps_overwrite(caplog):
     with caplog.at_level(logging.WARNING, logger="clawrl"):
         parse("--save-debug-rollout-data", "one.pt")
-    assert "has no {rollout_id}: every dump overwrites this one file" in caplog.text
+    assert "has no {rollout_id}: every dump overwrites one.pt" in caplog.text
 
 
 def test_rollout_only_gives_the_trainer_gpus_to_the_engines(caplog):

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from clawrl.config.errors import ConfigError
+from clawrl.config.templates import check_template
 from clawrl.data.sample import Sample, Status
 from clawrl.debug.dump import (
     ROLLOUT_FORMAT_VERSION,
     DumpError,
-    check_template,
     config_hash,
     dump_path,
     load_rollout_dump,
