@@ -40,6 +40,9 @@ def main() -> int:
     p.add_argument("--workdir", default="/tmp/clawrl-gpu-smoke")
     p.add_argument("--num-rollout", type=int, default=3)
     p.add_argument("--no-colocate", action="store_true")
+    p.add_argument("--fault-tolerance", action="store_true",
+                   help="--use-fault-tolerance: --ci-test then kills engine 0 at rollout 2; the run must replace "
+                   "it, resync and finish (needs --num-rollout >= 3)")  # fmt: skip
     a = p.parse_args()
     import torch
 
@@ -60,10 +63,16 @@ def main() -> int:
         "--rollout-temperature", "1.0", "--global-batch-size", "256", "--use-kl-loss", "--kl-loss-coef", "0.0",
         "--lr", "1e-6", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384", "--check-weight-update-equal", "--ci-test",
+        # random weights: log-probs near -log(vocab) and no language, so those two --ci-test bounds are opened
+        "--ci-log-probs-margin", "20", "--ci-text-max-bad-char-ratio", "1", "--ci-text-max-repetition", "1",
+        "--ci-text-max-empty-ratio", "1",
         "--num-rollout", str(a.num_rollout), "--output-dir", str(out), "--run-name", "gpu-smoke",
     ]  # fmt: skip
     if not a.no_colocate:
         flags.append("--colocate")
+    if a.fault_tolerance:
+        flags += ["--use-fault-tolerance", "--rollout-health-check-interval", "5",
+                  "--rollout-health-check-timeout", "10"]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "train", *flags], cwd=ROOT)
     wall = time.perf_counter() - started
@@ -72,6 +81,11 @@ def main() -> int:
         return result.returncode
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     print_breakdown(rows)
+    if a.fault_tolerance:
+        restarts = sum(row.get("rollout/engine_restarts", 0.0) for row in rows)
+        print(f"engine restarts: {restarts:g} (expected 1)", flush=True)
+        if restarts != 1:
+            return 1
     (out / "summary.json").write_text(json.dumps({"wall_s": wall, "steps": rows}, indent=1))
     return 0
 

@@ -24,6 +24,8 @@ _PLUGIN_FLAGS = {
     "rollout_function_path": "--rollout-function-path",
     "dynamic_sampling_filter_path": "--dynamic-sampling-filter-path",
     "custom_loss_function_path": "--custom-loss-function-path",
+    "custom_env_path": "--custom-env-path",
+    "custom_tis_function_path": "--custom-tis-function-path",
 }
 
 
@@ -33,7 +35,16 @@ def preflight(job: JobConfig) -> None:
     _datasets(job)
     _plugins(job)
     _replay(job)
+    _stall_points()
     _output(job)
+
+
+def _stall_points() -> None:
+    from clawrl.stall_points import ENV_VAR, POINTS, unknown
+
+    bad = unknown()
+    if bad:
+        raise ConfigError(f"{ENV_VAR}: unknown stall point {bad[0]!r}; known: {', '.join(POINTS)}")
 
 
 def _model(job: JobConfig) -> None:
@@ -97,7 +108,7 @@ def _plugins(job: JobConfig) -> None:
             from clawrl.rollout.hooks import GenerateFunctions
 
             GenerateFunctions(r.custom_generate_function_path)
-        for section in (job.rollout, job.train):
+        for section in (job.rollout, job.train, job.algo):
             for name, flag in _PLUGIN_FLAGS.items():
                 path = getattr(section, name, None)
                 if path:

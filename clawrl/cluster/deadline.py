@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ class ActorInfo:
     pid: int
     """The actor's process id."""
     node_ip: str
-    """The node it runs on (stacks are collected from actors on the driver's node)."""
+    """The address of its node (actors on other hosts are asked through a Ray task placed on that node)."""
 
 
 def enable_stack_dumps(label: str) -> tuple[int, str]:
@@ -62,13 +63,47 @@ def enable_stack_dumps(label: str) -> tuple[int, str]:
     return os.getpid(), ray.util.get_node_ip_address()
 
 
+REMOTE_STACKS_TIMEOUT_S = 30.0
+"""How long the driver waits for the stack-collecting task on another host (it may have to start a worker)."""
+
+
 def collect_stacks(actors: list[ActorInfo], *, wait_s: float = 1.0) -> dict[str, str]:
-    """Ask each local actor for its stacks (SIGUSR1) and read them back: {label: text}."""
+    """Ask each actor for its stacks (SIGUSR1) and read them back: {label: text}. Actors on the driver's
+    host are signalled from here; those on other hosts by a small Ray task scheduled on their node."""
     here = ray.util.get_node_ip_address()
+    out = _stacks_here([a for a in actors if a.node_ip == here], wait_s)
+    elsewhere: dict[str, list[ActorInfo]] = {}
+    for actor in actors:
+        if actor.node_ip != here:
+            elsewhere.setdefault(actor.node_ip, []).append(actor)
+    refs = {
+        ip: _stacks_on_node.options(num_cpus=0, resources={f"node:{ip}": 0.001}).remote(group, wait_s)
+        for ip, group in elsewhere.items()
+    }
+    ready = []
+    if refs:
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=REMOTE_STACKS_TIMEOUT_S)
+    for ip, ref in refs.items():
+        try:
+            if ref in ready:
+                out.update(ray.get(ref))
+        except Exception as error:  # a dead node must not hide the DeadlineError that asked for stacks
+            for actor in elsewhere[ip]:
+                out[actor.label] = f"(runs on node {ip}: collecting its stacks failed: {_first_line(error)})"
+    for actor in actors:
+        out.setdefault(
+            actor.label,
+            f"(runs on node {actor.node_ip}: no stacks came back within {REMOTE_STACKS_TIMEOUT_S:g} s)",
+        )
+    return out
+
+
+def _stacks_here(actors: list[ActorInfo], wait_s: float) -> dict[str, str]:
+    """SIGUSR1 to each actor of this host, then what each wrote to its dump file since."""
     sizes = {}
     for actor in actors:
         path = STACK_DIR / f"{actor.pid}.txt"
-        if actor.node_ip != here or not path.exists():
+        if not path.exists():
             continue
         sizes[actor.label] = (actor, path, path.stat().st_size)
         try:
@@ -83,8 +118,11 @@ def collect_stacks(actors: list[ActorInfo], *, wait_s: float = 1.0) -> dict[str,
         else:
             out[label] = path.read_text(errors="replace")[size:] or "(no answer to SIGUSR1)"
     for actor in actors:
-        out.setdefault(actor.label, f"(runs on node {actor.node_ip}: stacks not collected from the driver)")
+        out.setdefault(actor.label, f"(no stack dump file for pid {actor.pid} on {actor.node_ip})")
     return out
+
+
+_stacks_on_node = ray.remote(max_retries=0)(_stacks_here)
 
 
 def print_stacks(stacks: dict[str, str]) -> None:
@@ -93,11 +131,20 @@ def print_stacks(stacks: dict[str, str]) -> None:
 
 
 def wait_all(refs: list, what: str, timeout_s: float, actors: list[ActorInfo] | None = None,
-             owners: list[str] | None = None) -> list[Any]:  # fmt: skip
+             owners: list[str] | None = None, poll: Callable[[], None] | None = None) -> list[Any]:  # fmt: skip
     """ray.get(refs) within `timeout_s`. On the deadline: stacks of `actors` printed, DeadlineError.
-    `owners[i]` names who computes refs[i] (for the error message)."""
+    `owners[i]` names who computes refs[i] (for the error message). `poll`, if given, is called about once
+    a second while waiting; it raises to end the wait early (e.g. a failure the results depend on)."""
     owners = owners or [f"call {i}" for i in range(len(refs))]
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        ready, pending = ray.wait(
+            refs, num_returns=len(refs), timeout=left if poll is None else min(left, 1.0)
+        )
+        if not pending or left <= 1.0 or poll is None:
+            break
+        poll()
     if pending:
         stuck = [owners[refs.index(r)] for r in pending]
         print_stacks(collect_stacks(actors or []))

@@ -48,7 +48,9 @@ class EngineActor:
         from clawrl.engine.config import EngineConfig
         from clawrl.engine.engine import Engine
         from clawrl.engine.server import ServerThread, create_app
+        from clawrl.stall_points import stall_point
 
+        stall_point("engine.start")
         config = EngineConfig(**self.config)
         if config.device.startswith("cuda"):
             import torch

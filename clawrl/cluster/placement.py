@@ -2,7 +2,9 @@
 
 Modes (as slime lays out GPUs):
 - cpu:      no GPU in the cluster. Trainer ranks = --actor-num-nodes x --actor-num-gpus-per-node processes,
-            engines = --rollout-num-gpus / --rollout-num-gpus-per-engine processes, all on CPU.
+            engines = --rollout-num-gpus / --rollout-num-gpus-per-engine processes, all on CPU. Slots are
+            numbered as in split mode (trainer first, then engines); they only matter on a cluster of several
+            nodes, where each slot becomes a one-CPU bundle (clawrl/cluster/ray_cluster.py).
 - colocate: trainer and engines share the same GPUs, taking turns (--colocate): max(actor, rollout) GPUs.
 - split:    trainer GPUs first, then the engines' GPUs: actor + rollout GPUs.
 
@@ -30,9 +32,9 @@ class PlacementPlan:
     num_gpus: int
     """GPU bundles to reserve (0 in cpu mode)."""
     trainer_slots: list[int]
-    """Bundle index of each trainer rank (cpu mode: just 0..n-1, no bundle)."""
+    """Slot of each trainer rank: its GPU bundle (cpu mode: a one-CPU bundle on a multi-node cluster)."""
     engine_slots: list[int]
-    """Bundle index of each engine (one GPU per engine)."""
+    """Slot of each engine (one GPU per engine; cpu mode: as for the trainer)."""
 
     @property
     def num_trainer_ranks(self) -> int:
@@ -41,6 +43,11 @@ class PlacementPlan:
     @property
     def num_engines(self) -> int:
         return len(self.engine_slots)
+
+    @property
+    def num_slots(self) -> int:
+        """Distinct slots of the plan: GPU bundles, or in cpu mode one per process."""
+        return len(set(self.trainer_slots) | set(self.engine_slots))
 
     @property
     def trainer_gpu_fraction(self) -> float:
@@ -74,7 +81,10 @@ def plan_placement(
         )
     if cluster_gpus == 0:
         return PlacementPlan(
-            mode="cpu", num_gpus=0, trainer_slots=list(range(actor)), engine_slots=list(range(rollout))
+            mode="cpu",
+            num_gpus=0,
+            trainer_slots=list(range(actor)),
+            engine_slots=list(range(actor, actor + rollout)),
         )
     if res.colocate:
         needed = max(actor, rollout)

@@ -1,19 +1,31 @@
 """Start Ray on this machine or join a cluster, and reserve the job's GPU slots as a placement group.
 
-Every wait has a deadline (ARCHITECTURE decision 10): a placement group that cannot be scheduled becomes an
-error naming what was asked and what the cluster has, not an endless "pending".
+Every wait has a deadline: a placement group that cannot be scheduled becomes an error naming what was asked
+and what the cluster has, not an endless "pending".
+
+On a cluster of several nodes (`--ray-address`, docs/multi_node.md) the placement group is what spreads the
+job: slot i of the plan runs in bundle `Reservation.bundles[i]`, ordered so that the trainer's slots (the
+first ones) sit together on the node holding most of the job's bundles. Without GPUs each process gets a
+one-CPU bundle there, so the nodes' `--num-cpus` decide where trainer ranks and engines land.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 
 from clawrl.cluster.placement import PlacementError, PlacementPlan
 
+logger = logging.getLogger(__name__)
+
 PLACEMENT_TIMEOUT_S = 120.0
+MULTINODE_ENV = "CLAWRL_MULTINODE"
+"""Set in every actor of a job that joined a cluster: engines then listen on their node's address, not on
+loopback, so the rollout manager and the trainer on other hosts can reach them."""
 
 
 def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> None:
@@ -23,6 +35,7 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> Non
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local single-user runs: no token dance
     runtime_env = {"env_vars": forwarded_env()}
     if address:
+        runtime_env["env_vars"][MULTINODE_ENV] = "1"  # the cluster may span hosts: no loopback-only servers
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
         # address="local": always a new instance of our own, never a cluster another job left running here
@@ -55,31 +68,96 @@ def cluster_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
-def reserve(plan: PlacementPlan, timeout_s: float = PLACEMENT_TIMEOUT_S) -> PlacementGroup | None:
-    """A PACK placement group of one {GPU: 1, CPU: 1} bundle per GPU slot (None in cpu mode)."""
-    if plan.mode == "cpu":
+@dataclass(kw_only=True)
+class Reservation:
+    """The job's placement group and the bundle behind each slot of the plan."""
+
+    group: PlacementGroup
+    """The Ray placement group (PACK)."""
+    bundles: list[int]
+    """bundles[slot]: the bundle index that plan slot runs in."""
+    nodes: list[str]
+    """nodes[slot]: the Ray node id of that bundle."""
+
+
+def alive_nodes() -> int:
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def reserve(plan: PlacementPlan, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Reservation | None:
+    """A PACK placement group with one bundle per slot: {GPU: 1, CPU: 1}, or {CPU: 1} in cpu mode on a
+    cluster of several nodes. None (actors go anywhere) in cpu mode on one node."""
+    if plan.mode == "cpu" and (alive_nodes() < 2 or plan.num_slots == 0):
         return None
-    group = placement_group([{"GPU": 1, "CPU": 1}] * plan.num_gpus, strategy="PACK")
+    bundle = {"CPU": 1} if plan.mode == "cpu" else {"GPU": 1, "CPU": 1}
+    group = placement_group([bundle] * plan.num_slots, strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(group)
+        why = " (without GPUs, every trainer rank and engine takes one CPU)" if plan.mode == "cpu" else ""
         raise PlacementError(
-            f"could not reserve {plan.num_gpus} GPU bundles (1 GPU + 1 CPU each) within {timeout_s:.0f} s; "
+            f"could not reserve {plan.num_slots} bundles of {bundle} within {timeout_s:.0f} s{why}; "
             f"the cluster has {ray.cluster_resources()}"
         )
-    return group
+    by_node = {int(i): node for i, node in placement_group_table(group)["bundles_to_node_id"].items()}
+    bundles = bundle_order(by_node)
+    reservation = Reservation(group=group, bundles=bundles, nodes=[by_node[b] for b in bundles])
+    try:
+        check_nodes(plan, reservation.nodes)
+    except PlacementError:
+        ray.util.remove_placement_group(group)
+        raise
+    if len(set(reservation.nodes)) > 1:
+        logger.info("placement over %d nodes: %s", len(set(reservation.nodes)), describe(plan, reservation))
+    return reservation
 
 
-def actor_options(group: PlacementGroup | None, slot: int, gpu_fraction: float) -> dict:
-    """Ray `.options(...)` placing an actor in one bundle of the group (or anywhere, CPU-only)."""
-    if group is None:
+def bundle_order(bundle_nodes: dict[int, str]) -> list[int]:
+    """Bundle indices in slot order: grouped by node, the node holding most bundles first (ties: the node of
+    the lowest bundle index), ascending within a node. Ray does not promise that PACK puts consecutive
+    bundles on one node; the trainer's ranks take the first slots and run collectives with each other, so
+    they should share as few nodes as possible."""
+    count: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for index in sorted(bundle_nodes):
+        node = bundle_nodes[index]
+        count[node] = count.get(node, 0) + 1
+        first.setdefault(node, index)
+    rank = {node: (-count[node], first[node]) for node in count}
+    return sorted(bundle_nodes, key=lambda index: (rank[bundle_nodes[index]], index))
+
+
+def check_nodes(plan: PlacementPlan, slot_nodes: list[str]) -> None:
+    """Refuse a --colocate job that Ray spread over several nodes: its weight sync hands CUDA IPC handles
+    from trainer rank 0 to every engine, which only works between processes of one host."""
+    nodes = len(set(slot_nodes))
+    if plan.mode == "colocate" and nodes > 1:
+        raise PlacementError(
+            f"--colocate on {plan.num_slots} GPUs spans {nodes} nodes, but colocated weight updates only reach "
+            "engines on trainer rank 0's node; without --colocate (split placement) the weights go to the "
+            "engines by NCCL broadcast, which works across nodes"
+        )
+
+
+def describe(plan: PlacementPlan, reservation: Reservation) -> str:
+    """One line: which node (short id) each trainer rank and engine is placed on."""
+    parts = [f"trainer rank {r} -> {reservation.nodes[s][:8]}" for r, s in enumerate(plan.trainer_slots)]
+    parts += [f"engine {e} -> {reservation.nodes[s][:8]}" for e, s in enumerate(plan.engine_slots)]
+    return ", ".join(parts)
+
+
+def actor_options(reservation: Reservation | None, slot: int, gpu_fraction: float) -> dict:
+    """Ray `.options(...)` placing an actor in the bundle of its plan slot (or anywhere, CPU on one node)."""
+    if reservation is None:
         return {"num_cpus": 0}
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return {
+    options = {
         "num_cpus": 0,
-        "num_gpus": gpu_fraction,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=slot
+            placement_group=reservation.group, placement_group_bundle_index=reservation.bundles[slot]
         ),
     }
+    if gpu_fraction:
+        options["num_gpus"] = gpu_fraction
+    return options

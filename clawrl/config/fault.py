@@ -42,7 +42,7 @@ class FaultConfig:
     rollout_timeout: float = 3600.0
     """Seconds one rollout or eval may take before the run fails with the stacks of the stuck processes."""
     train_timeout: float = 3600.0
-    """Seconds one trainer call (train, save, init) may take before the run fails with the ranks' stacks."""
+    """Seconds one trainer call (start, init, train, save) may take before the run fails with the ranks' stacks."""
     update_weights_timeout: float = 600.0
     """Seconds one weight sync (and control calls such as memory release) may take before the run fails."""
 

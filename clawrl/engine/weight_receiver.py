@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from clawrl.stall_points import stall_point
 from clawrl.weight_sync.broadcast import BACKENDS, broadcast_from_rank0, create_group
 from clawrl.weight_sync.checksum import tensor_checksum
 from clawrl.weight_sync.colocated import open_cuda_ipc, open_shared_memory
@@ -141,6 +142,7 @@ class WeightReceiver:
         return {"weight_version": str(self.engine.weight_version), "checksums": sums}
 
     def _load(self, groups: list[FlatGroup], flats: list[torch.Tensor]) -> int:
+        stall_point("engine.update_weights")
         if not groups:
             return 0
         named = itertools.chain.from_iterable(unflatten(g, f) for g, f in zip(groups, flats, strict=True))

@@ -182,8 +182,11 @@ class Run:
         return self.manager.generate.remote(rollout_id)
 
     def wait_rollout(self, ref, rollout_id: int):
-        """(batch, metrics) of a started rollout, within --rollout-timeout."""
-        batch, metrics = self._wait([ref], f"rollout {rollout_id}", self.job.fault.rollout_timeout)[0]
+        """(batch, metrics) of a started rollout, within --rollout-timeout. A failed engine recovery ends the
+        wait at once: the rollout may be waiting for the engine that could not be replaced."""
+        poll = self._raise_monitor_error if self.monitor is not None else None
+        batch, metrics = wait_all([ref], f"rollout {rollout_id}", self.job.fault.rollout_timeout,
+                                  self.actor_infos(), ["the rollout manager"], poll=poll)[0]  # fmt: skip
         self._raise_monitor_error()
         return batch, metrics
 
@@ -213,7 +216,10 @@ class Run:
             with self._trainer_lock:  # not during a train step: the version label must match the weights
                 version = str(self.trainer_version)
                 self.trainer.update_weights(
-                    transport_for(self.plan, [new]), version, f.update_weights_timeout
+                    transport_for(self.plan, [new]),
+                    version,
+                    f.update_weights_timeout,
+                    self.pool.actor_infos(),
                 )
                 if self.job.ci.check_weight_update_equal:
                     checksums = self.trainer.call("checksums", self.trainer_engine_dtype())[0]
@@ -291,7 +297,7 @@ class Run:
             resume_s += timed(self._engines_call, "resume_memory_occupation", list(SYNC_MEMORY_TAGS))[1]
         timeout = self.job.fault.update_weights_timeout
         metrics = self.trainer.update_weights(
-            transport_for(self.plan, self.engine_urls), str(version), timeout
+            transport_for(self.plan, self.engine_urls), str(version), timeout, self.pool.actor_infos()
         )
         if self.job.ci.check_weight_update_equal:
             start = time.perf_counter()
@@ -345,7 +351,11 @@ class Run:
         if model.save:
             state = {}
             if self.manager is not None:
-                state = ray.get(self.manager.state_dict.remote(before_rollout=rollout_id + 1), timeout=60)
+                state = self._wait(
+                    [self.manager.state_dict.remote(before_rollout=rollout_id + 1)],
+                    "rollout state for the checkpoint",
+                    self.job.fault.rollout_timeout,
+                )[0]
             self.trainer.call("save", rollout_id, {"rollout": state, "job": redact(self.job.to_dict())})
         if model.save_hf:
             path = save_hf_path(model.save_hf, rollout_id)

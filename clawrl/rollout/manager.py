@@ -180,7 +180,7 @@ class RolloutManager:
         # The cursor as it was before this rollout: a checkpoint of rollout k taken while rollout k+1 is
         # already in flight (train-async) must resume at k+1's prompts, not after them.
         self._cursor_before = {k: v for k, v in self._cursor_before.items() if k >= rollout_id - 1}
-        self._cursor_before[rollout_id] = self.state_dict()
+        self._cursor_before[rollout_id] = {"data_source": self.data_source.state_dict()}
         return self._run(self._generate(rollout_id), f"generate(rollout_id={rollout_id})")
 
     def num_rollout_for_epochs(self) -> int:

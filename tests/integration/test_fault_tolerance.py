@@ -2,7 +2,8 @@
 the health monitor, replaced, loaded with the current weights (checksums compared with the trainer's), and
 the requests it was serving are re-sent, so every rollout still has all its samples.
 
-Runs happen in this process (one Ray instance for the module), 2 engines, 1 trainer rank, tiny model.
+Runs happen in this process (one Ray instance for the module), 2 engines (1 in the train-async test), 1
+trainer rank, tiny model.
 """
 
 import json
@@ -89,8 +90,12 @@ def test_hung_engine_is_detected_by_the_deadline_and_replaced(assets, ray_sessio
         _same_rollouts(a, b)
 
 
-def test_train_async_survives_a_killed_engine(assets, ray_session, tmp_path):
+def test_train_async_with_its_only_engine_killed_waits_for_the_replacement(assets, ray_session, tmp_path):
+    # One engine, as on a one-GPU colocated run: when it dies no engine is left, so every request in flight
+    # waits for the replacement. The rollout manager must still take the routing change while its rollout is
+    # blocked (it once could not: a rollout in flight held its only thread until the deadline).
     out = tmp_path / "async"
-    rows = _run("train-async", *_flags(assets, out, 3, "--ci-fault-tolerance"))  # the seed's alias
+    rows = _run("train-async", *_flags(assets, out, 3, "--ci-fault-tolerance", "--rollout-num-gpus", "1"))
     assert _samples_per_rollout(out, 3) == [SAMPLES_PER_ROLLOUT] * 3
     assert sum(r["rollout/engine_restarts"] for r in rows) == 1.0
+    assert sum(r["rollout/requests_retried"] for r in rows) >= 1

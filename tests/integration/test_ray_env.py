@@ -3,13 +3,13 @@ started without them (`--ray-address`): the job-level runtime_env of `start_ray`
 `CUDA_LAUNCH_BLOCKING=1 clawrl train ...` affects the engines and the trainer ranks."""
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from ray_processes import stop_group
 
 from clawrl.cluster.ray_cluster import forwarded_env
 
@@ -55,7 +55,7 @@ def test_plain_env_var_reaches_actors_of_a_joined_cluster():
         out = _run_driver(port, env)
         assert "PROBE hello-42" in out, out[-3000:]
     finally:
-        _stop(head)
+        stop_group(head)
 
 
 def _run_driver(port: int, env: dict) -> str:
@@ -68,15 +68,6 @@ def _run_driver(port: int, env: dict) -> str:
         if "PROBE" in result.stdout or time.monotonic() > deadline:
             return result.stdout + result.stderr
         time.sleep(2)
-
-
-def _stop(head: subprocess.Popen) -> None:
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait(10)
 
 
 def _free_port() -> int:
