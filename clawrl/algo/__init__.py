@@ -24,11 +24,8 @@ from clawrl.algo.sft import sft_loss
 from clawrl.algo.tis import (
     TIS_LEVELS,
     TIS_MODES,
-    mis_weights,
     mismatch_log_ratio,
-    mismatch_metrics,
     rejection_sampling_mask,
-    token_tis_weights,
 )
 
 __all__ = [
@@ -46,15 +43,12 @@ __all__ = [
     "leave_one_out_rewards",
     "log_probs_and_entropy",
     "masked_mean",
-    "mis_weights",
     "mismatch_log_ratio",
-    "mismatch_metrics",
     "normalize_group_rewards",
     "postprocess_rewards",
     "ppo_policy_loss",
     "rejection_sampling_mask",
     "sft_loss",
-    "token_tis_weights",
     "value_loss",
     "whiten_advantages",
 ]

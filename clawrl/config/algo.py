@@ -1,6 +1,9 @@
-"""Algorithm flags: advantage estimator, PPO clipping, KL terms, entropy, reward normalisation, TIS.
+"""Algorithm flags: advantage estimator, PPO clipping, KL terms, entropy, reward normalisation, and the
+train/rollout mismatch correction (TIS, MIS, rejection sampling, mismatch metrics).
 
-Meanings follow slime's loss code; dr_grpo and rloo are estimators clawrl adds.
+Meanings follow slime's loss code; dr_grpo and rloo are estimators clawrl adds. slime reads the MIS settings
+(--tis-level ... --rs-veto-threshold) from a YAML file of extra attributes; clawrl makes them flags with the
+same names, read by the built-in `clawrl.algo.tis:mis_function` (docs/trainer.md, "Train/rollout mismatch").
 """
 
 from __future__ import annotations
@@ -56,6 +59,32 @@ class AlgoConfig:
     """Upper clip of the TIS weight."""
     tis_clip_low: float = 0.0
     """Lower clip of the TIS weight."""
+    use_rollout_logprobs: bool = False
+    """Old-policy log-probs (PPO ratio, KL penalty) are the engine's rollout log-probs, not recomputed ones."""
+    custom_tis_function_path: str | None = option(metavar="MODULE:FN")
+    """Mismatch correction fn(args=, pg_loss=, train_log_probs=, rollout_log_probs=, loss_masks=, ...)."""
+    get_mismatch_metrics: bool = False
+    """Log train-vs-rollout mismatch metrics through --custom-tis-function-path (required)."""
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    """mis_function: IS ratio per token, per sample (product) or per sample (geometric mean)."""
+    tis_mode: Literal["truncate", "clip", "mask"] = "truncate"
+    """mis_function: cap the IS weight, clamp it to the bounds, or drop tokens outside the bounds."""
+    tis_upper_bound: float = 2.0
+    """mis_function: upper bound of the IS weight."""
+    tis_lower_bound: float | None = None
+    """mis_function: lower bound of the IS weight (clip, mask); default: 1 / --tis-upper-bound."""
+    tis_batch_normalize: bool = False
+    """mis_function: rescale the IS weights of each micro-batch to mean 1 (token or sequence level)."""
+    use_rs: bool = False
+    """mis_function: rejection sampling: drop tokens or samples whose ratio is outside the RS bounds."""
+    rs_level: Literal["token", "sequence", "geometric"] = "token"
+    """mis_function: level of the rejection-sampling ratio."""
+    rs_lower_bound: float | None = None
+    """mis_function: lower rejection bound; default: the IS lower bound."""
+    rs_upper_bound: float | None = None
+    """mis_function: upper rejection bound; default: --tis-upper-bound."""
+    rs_veto_threshold: float | None = None
+    """mis_function with --use-rs: reject a whole sample if any token's ratio is below this."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -63,5 +92,9 @@ class AlgoConfig:
             at_least(self, name, 0)
         above(self, "eps_clip_c", 1)
         above(self, "tis_clip", 0)
+        for name in ("tis_upper_bound", "rs_upper_bound", "rs_veto_threshold"):
+            above(self, name, 0)
+        for name in ("tis_lower_bound", "rs_lower_bound"):
+            at_least(self, name, 0)
         in_range(self, "gamma", 0, 1)
         in_range(self, "lambd", 0, 1)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clawrl.config.errors import above, at_least, in_range, non_empty, top_k_valid
+from clawrl.config.errors import ConfigError, above, at_least, in_range, non_empty, top_k_valid
 from clawrl.config.fields import check_types, option
+
+# The two spellings of the built-in multi-turn tool generate function (clawrl/rollout/multi_turn.py).
+MULTI_TURN_GENERATE_PATHS = ("clawrl.rollout.multi_turn.generate", "clawrl.rollout.multi_turn:generate")
 
 
 @dataclass(kw_only=True)
@@ -52,6 +55,12 @@ class RolloutConfig:
     """Custom generate step (multi-turn, tools): async fn(args, sample, sampling_params) -> Sample."""
     rollout_function_path: str | None = option(metavar="MODULE.FN")
     """Custom rollout: fn(args, rollout_id, data_source, evaluation=False) -> samples; default: clawrl's own."""
+    custom_env_path: str | None = option(metavar="MODULE:NAME")
+    """Tool environment for clawrl.rollout.multi_turn.generate: a class or factory, NAME(args) once per sample."""
+    max_turns: int = 8
+    """Model turns per sample in multi-turn tool rollouts (tool results go back to the model in between)."""
+    tool_call_timeout: float = 30.0
+    """Seconds one environment step (the tool calls of one model turn) may take before they fail as timeouts."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -64,5 +73,29 @@ class RolloutConfig:
         top_k_valid(self, "rollout_top_k")
         at_least(self, "rollout_stop_token_ids", 0)
         non_empty(self, "rollout_stop")
-        for name in ("rm_type", "rm_url", "custom_rm_path", "custom_generate_function_path"):
+        for name in (
+            "rm_type",
+            "rm_url",
+            "custom_rm_path",
+            "custom_generate_function_path",
+            "custom_env_path",
+        ):
             non_empty(self, name)
+        at_least(self, "max_turns", 1)
+        above(self, "tool_call_timeout", 0)
+        self._check_multi_turn()
+
+    def _check_multi_turn(self) -> None:
+        """The built-in multi-turn generate function needs an environment, and an environment needs a
+        generate function that uses it (it would be ignored by the default one)."""
+        gen = self.custom_generate_function_path
+        if gen in MULTI_TURN_GENERATE_PATHS and self.custom_env_path is None:
+            raise ConfigError(
+                f"--custom-generate-function-path {gen} needs --custom-env-path MODULE:NAME (the tool "
+                "environment; docs/multi_turn.md)"
+            )
+        if self.custom_env_path is not None and gen is None:
+            raise ConfigError(
+                f"--custom-env-path {self.custom_env_path} is only used by a generate function that runs tools: "
+                f"pass --custom-generate-function-path {MULTI_TURN_GENERATE_PATHS[0]}"
+            )

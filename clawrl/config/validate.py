@@ -10,6 +10,11 @@ values. The rules (slime's batch-size relations and its argument validation, for
   --save-interval needs --save.
 - algorithm: --eps-clip-high defaults to --eps-clip; --kl-coef and --kl-loss-coef not both non-zero;
   reinforce_plus_plus[_baseline] need --normalize-advantages; --tis-clip-low <= --tis-clip.
+- train/rollout mismatch (slime's rules, then flags slime would silently ignore): --use-tis and
+  --use-rollout-logprobs exclude each other; --get-mismatch-metrics needs --custom-tis-function-path;
+  --custom-tis-function-path needs --use-tis or --get-mismatch-metrics; both need --loss-type policy_loss;
+  the MIS flags (--tis-level ... --rs-veto-threshold) need --custom-tis-function-path, the --rs-* ones
+  --use-rs; bounds are ordered; --tis-batch-normalize works at token or sequence level.
 - batch sizes: --num-steps-per-rollout k sets --global-batch-size = rollout samples // k (a given one must
   agree), else it defaults to all of them, and must divide them (num_steps_per_rollout is filled in);
   --over-sampling-batch-size defaults to and is >= --rollout-batch-size; --use-dynamic-batch-size needs
@@ -35,7 +40,8 @@ import logging
 import os
 import time
 
-from clawrl.config.errors import ConfigError
+from clawrl.config.algo import AlgoConfig
+from clawrl.config.errors import ConfigError, flag_of
 from clawrl.config.job import JobConfig
 from clawrl.config.templates import check_template
 
@@ -52,6 +58,7 @@ def validate(job: JobConfig) -> JobConfig:
         _eval,
         _model_paths,
         _algorithm,
+        _mismatch,
         _batch_sizes,
         _run_length,
         _debug,
@@ -110,6 +117,65 @@ def _algorithm(job: JobConfig) -> None:
         )
     if a.kl_loss_coef != 0 and not a.use_kl_loss:
         logger.warning("--kl-loss-coef %s has no effect without --use-kl-loss", a.kl_loss_coef)
+
+
+# MIS settings read only by a --custom-tis-function-path function (clawrl.algo.tis:mis_function).
+_MIS_FIELDS = ("tis_level", "tis_mode", "tis_upper_bound", "tis_lower_bound", "tis_batch_normalize", "use_rs",
+               "rs_level", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")  # fmt: skip
+_RS_FIELDS = ("rs_level", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")
+
+
+def _mismatch(job: JobConfig) -> None:
+    a, loss_type = job.algo, job.train.loss_type
+    if a.use_tis and a.use_rollout_logprobs:
+        raise ConfigError(
+            "--use-tis and --use-rollout-logprobs exclude each other: with --use-rollout-logprobs the old "
+            "log-probs are the rollout's, so there is no train/rollout ratio to correct"
+        )
+    if a.get_mismatch_metrics and a.custom_tis_function_path is None:
+        raise ConfigError(
+            "--get-mismatch-metrics requires --custom-tis-function-path MODULE:FN (unset), e.g. "
+            "clawrl.algo.tis:mis_function"
+        )
+    if a.custom_tis_function_path is not None and not (a.use_tis or a.get_mismatch_metrics):
+        raise ConfigError(
+            f"--custom-tis-function-path {a.custom_tis_function_path!r} is only called with --use-tis or "
+            "--get-mismatch-metrics (neither is set)"
+        )
+    corrected = "--use-tis" if a.use_tis else "--get-mismatch-metrics" if a.get_mismatch_metrics else None
+    if corrected and loss_type != "policy_loss":
+        raise ConfigError(f"{corrected} applies to --loss-type policy_loss only, got --loss-type {loss_type}")
+    if a.use_rollout_logprobs and a.get_mismatch_metrics:
+        logger.info("--use-rollout-logprobs with --get-mismatch-metrics: the train log-prob pass still runs")
+    _mis_settings(a)
+
+
+def _mis_settings(a) -> None:
+    defaults = AlgoConfig()
+    changed = [n for n in _MIS_FIELDS if getattr(a, n) != getattr(defaults, n)]
+    given = {n: flag_of(n) if getattr(a, n) is True else f"{flag_of(n)} {getattr(a, n)}" for n in changed}
+    if changed and a.custom_tis_function_path is None:
+        raise ConfigError(
+            f"{given[changed[0]]} is read only by a --custom-tis-function-path function such as "
+            "clawrl.algo.tis:mis_function (unset)"
+        )
+    unused_rs = [n for n in _RS_FIELDS if n in changed]
+    if unused_rs and not a.use_rs:
+        raise ConfigError(f"{given[unused_rs[0]]} has no effect without --use-rs")
+    tis_low = a.tis_lower_bound if a.tis_lower_bound is not None else 1.0 / a.tis_upper_bound
+    if a.tis_mode != "truncate" and not tis_low < a.tis_upper_bound:
+        raise ConfigError(
+            f"--tis-lower-bound {tis_low} must be < --tis-upper-bound {a.tis_upper_bound} (--tis-mode {a.tis_mode})"
+        )
+    rs_low = a.rs_lower_bound if a.rs_lower_bound is not None else tis_low
+    rs_high = a.rs_upper_bound if a.rs_upper_bound is not None else a.tis_upper_bound
+    if a.use_rs and not rs_low < rs_high:
+        raise ConfigError(
+            f"rejection bounds out of order: --rs-lower-bound {rs_low} must be < --rs-upper-bound {rs_high} "
+            "(unset ones default to the IS bounds)"
+        )
+    if a.tis_batch_normalize and a.use_tis and a.tis_level == "geometric":
+        raise ConfigError("--tis-batch-normalize works with --tis-level token or sequence, got geometric")
 
 
 def _batch_sizes(job: JobConfig) -> None:

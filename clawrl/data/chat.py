@@ -22,7 +22,7 @@ from typing import Any
 
 # Tokens that close a turn in common templates; the end-of-turn token is trained on, anything the template
 # prints after it (ChatML's "\n") is not, since the policy never generates it.
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 class ChatTemplateError(ValueError):
@@ -94,7 +94,7 @@ def tokenize_conversation(
     renders = _PrefixRenders(tokenizer, messages, tools, chat_template_kwargs)
     renders.check_all()
     full_ids = renders.full_ids
-    end_ids = _end_of_turn_ids(tokenizer)
+    end_ids = end_of_turn_ids(tokenizer)
     loss_mask = [0] * len(full_ids)
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
@@ -169,10 +169,11 @@ def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
             raise ChatTemplateError(f"messages[{i}] must be a dict with a 'role', got {message!r:.80}")
 
 
-def _end_of_turn_ids(tokenizer: Any) -> set[int]:
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """Token ids that end a turn for this tokenizer: its EOS and the common chat templates' end markers."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     vocab = tokenizer.get_vocab()
-    ids.update(vocab[token] for token in _END_OF_TURN_TOKENS if token in vocab)
+    ids.update(vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)
     return ids
 
 

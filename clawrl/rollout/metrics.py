@@ -12,6 +12,8 @@ Rollout (one dict per `RolloutManager.generate`):
     rollout/text/{empty_ratio,bad_char_ratio,repetition}   does the decoded text look like language?
                                           (clawrl/debug/language.py; judged by the text check in
                                           clawrl/metrics/checks.py: a warning, or a failure under --ci-test)
+    multi_turn/*                          turns and tool calls/errors/timeouts of multi-turn tool rollouts
+                                          (clawrl/rollout/multi_turn.py: multi_turn_metrics)
     perf/rollout_time                     seconds for the whole rollout
     perf/tokens_per_gpu_per_sec           response tokens of the batch / rollout time / rollout devices
     perf/longest_sample_tokens_per_sec    longest response / rollout time
@@ -29,6 +31,7 @@ from typing import Any
 
 from clawrl.data.sample import Sample, Status
 from clawrl.debug.language import text_metrics
+from clawrl.rollout.multi_turn import multi_turn_metrics
 
 
 def rollout_metrics(
@@ -55,6 +58,7 @@ def rollout_metrics(
         "perf/rollout_time": rollout_time_s,
     }
     metrics.update(_weight_versions(samples))
+    metrics.update(multi_turn_metrics(samples))  # {} unless clawrl.rollout.multi_turn.generate ran
     metrics.update({f"rollout/text/{k}": v for k, v in text_metrics([s.response for s in samples]).items()})
     if estimator != "ppo":
         metrics.update(_zero_std_counts(groups, raw_rewards))

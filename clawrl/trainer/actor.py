@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from clawrl.algo.tis import vanilla_tis_function
 from clawrl.config.job import JobConfig
 from clawrl.config.plugins import load_function
 from clawrl.data.train_batch import TrainBatch
@@ -40,6 +41,7 @@ from clawrl.trainer.rl_step import (
     compute_advantages,
     compute_log_probs,
     forward_log_probs,
+    forward_logits,
     micro_batches,
     per_sample_mean,
     plan_steps,
@@ -119,10 +121,14 @@ class TrainActor:
             raise ValueError(
                 "--advantage-estimator ppo needs a critic model, which clawrl's trainer does not have yet"
             )
-        custom = None
+        custom = tis = None
         if train.loss_type == "custom_loss":
             custom = load_function(train.custom_loss_function_path, "--custom-loss-function-path")
-        return LossFunction(algo, train.loss_type, custom, self.job.to_namespace())
+        if algo.use_tis or algo.get_mismatch_metrics:
+            tis = vanilla_tis_function
+            if algo.custom_tis_function_path is not None:
+                tis = load_function(algo.custom_tis_function_path, "--custom-tis-function-path")
+        return LossFunction(algo, train.loss_type, custom, self.job.to_namespace(), tis)
 
     def _maybe_load(self) -> int:
         if not self.job.model.load or ckpt.latest_iteration(self.job.model.load) is None:
@@ -147,27 +153,21 @@ class TrainActor:
         watch = Stopwatch(self.device)
         steps = self._plan(batch)
         my_ids = [i for s in steps for i in (s.sample_ids[j] for j in s.plan.samples_of(self.rank))]
-        temperature = self.job.rollout.rollout_temperature
+        temperature, algo = self.job.rollout.rollout_temperature, self.job.algo
         self.model.train()
-        with watch("log_probs"):
-            log_probs = compute_log_probs(self.model, batch, steps, self.rank, self.device, temperature)
-        ref_log_probs = None
-        if self.ref_bank is not None:
-            with watch("ref_log_probs"), self.ref_bank.swapped_into(self.model):
-                ref_log_probs = compute_log_probs(
-                    self.model, batch, steps, self.rank, self.device, temperature
-                )
+        log_probs, ref_log_probs, rollout_log_probs = self._log_prob_passes(batch, steps, my_ids, watch)
+        old_log_probs = rollout_log_probs if algo.use_rollout_logprobs else log_probs
         advantages, returns = compute_advantages(
-            batch, my_ids, self.job.algo, log_probs, ref_log_probs, self.device
+            batch, my_ids, algo, old_log_probs, ref_log_probs, self.device
         )
-        per_token = {"old_log_probs": log_probs, "advantages": advantages}
+        per_token = {"old_log_probs": old_log_probs, "advantages": advantages}
         if ref_log_probs is not None:
             per_token["ref_log_probs"] = ref_log_probs
-        if batch.rollout_log_probs is not None:
-            per_token["rollout_log_probs"] = {
-                i: torch.tensor(batch.rollout_log_probs[i], dtype=torch.float32) for i in my_ids
-            }
-        metrics = self._rollout_metrics(batch, log_probs, ref_log_probs, advantages)
+        if rollout_log_probs is not None:
+            per_token["rollout_log_probs"] = rollout_log_probs
+        if algo.use_rollout_logprobs and log_probs is not None:
+            per_token["train_log_probs"] = log_probs
+        metrics = self._rollout_metrics(batch, log_probs, ref_log_probs, advantages, rollout_log_probs)
         recorder = (
             TrainDataRecorder(self.rank, self.job.algo.kl_loss_type)
             if self.job.debug.save_debug_train_data
@@ -181,7 +181,7 @@ class TrainActor:
         if recorder is not None:  # the driver gathers every rank's records and writes the train dump
             metrics[TRAIN_RECORDS_KEY] = recorder.records(
                 batch,
-                log_probs=log_probs,
+                log_probs=old_log_probs,
                 ref_log_probs=ref_log_probs,
                 advantages=advantages,
                 returns=returns,
@@ -202,16 +202,46 @@ class TrainActor:
             micro_batch_size=train.micro_batch_size, max_response_len=self.job.rollout.rollout_max_response_len,
         )  # fmt: skip
 
-    def _rollout_metrics(self, batch, log_probs, ref_log_probs, advantages) -> dict[str, Any]:
-        out = {
-            "rollout/log_probs": per_sample_mean(log_probs, batch, self.device),
-            "rollout/advantages": per_sample_mean(advantages, batch, self.device),
-        }
+    def _log_prob_passes(self, batch, steps, my_ids, watch):
+        """(recomputed, reference, rollout) {sample index: [R]} log-probs of this rank's samples; each None
+        when not needed (--use-rollout-logprobs skips the recompute unless --get-mismatch-metrics)."""
+        algo, temperature = self.job.algo, self.job.rollout.rollout_temperature
+        rollout_log_probs = self._rollout_log_probs(batch, my_ids)
+        log_probs = ref_log_probs = None
+        if not algo.use_rollout_logprobs or algo.get_mismatch_metrics:
+            with watch("log_probs"):
+                log_probs = compute_log_probs(self.model, batch, steps, self.rank, self.device, temperature)
+        if self.ref_bank is not None:
+            with watch("ref_log_probs"), self.ref_bank.swapped_into(self.model):
+                ref_log_probs = compute_log_probs(
+                    self.model, batch, steps, self.rank, self.device, temperature
+                )
+        return log_probs, ref_log_probs, rollout_log_probs
+
+    def _rollout_log_probs(self, batch: TrainBatch, my_ids: list[int]) -> dict[int, torch.Tensor] | None:
+        """{sample index: [R] engine log-probs} of this rank's samples; None when the batch has none."""
+        if batch.rollout_log_probs is None:
+            algo = self.job.algo
+            for flag, on in (("--use-rollout-logprobs", algo.use_rollout_logprobs), ("--use-tis", algo.use_tis),
+                             ("--get-mismatch-metrics", algo.get_mismatch_metrics)):  # fmt: skip
+                if on:
+                    raise ValueError(
+                        f"{flag} needs the rollout's log-probs, but rollout {batch.rollout_id}'s samples have "
+                        "none (a custom generate function must set Sample.rollout_log_probs)"
+                    )
+            return None
+        return {i: torch.tensor(batch.rollout_log_probs[i], dtype=torch.float32) for i in my_ids}
+
+    def _rollout_metrics(
+        self, batch, log_probs, ref_log_probs, advantages, rollout_log_probs
+    ) -> dict[str, Any]:
+        out = {"rollout/advantages": per_sample_mean(advantages, batch, self.device)}
+        if log_probs is not None:
+            out["rollout/log_probs"] = per_sample_mean(log_probs, batch, self.device)
         if ref_log_probs is not None:
             out["rollout/ref_log_probs"] = per_sample_mean(ref_log_probs, batch, self.device)
-        if batch.rollout_log_probs is not None:
-            rollout = {i: torch.tensor(batch.rollout_log_probs[i]) for i in log_probs}
-            out["rollout/rollout_log_probs"] = per_sample_mean(rollout, batch, self.device)
+        if rollout_log_probs is not None:
+            out["rollout/rollout_log_probs"] = per_sample_mean(rollout_log_probs, batch, self.device)
         return out
 
     def _optimizer_step(self, batch, step, per_token, temperature, *, recorder=None, step_index=0):
@@ -220,10 +250,15 @@ class TrainActor:
         mbs = micro_batches(batch, step, self.rank, self.device, per_token)
         for mb_index, (mb, is_last) in enumerate(_with_last(mbs)):
             self._defer_grad_sync(until_last=is_last)
-            log_probs, entropy = forward_log_probs(self.model, mb, temperature, with_entropy=True)
+            if self.loss_fn.wants_logits:
+                entropy = None
+                logits = forward_logits(self.model, mb, temperature)
+                loss, metrics = self.loss_fn.custom(mb, logits, step.counts)
+            else:
+                log_probs, entropy = forward_log_probs(self.model, mb, temperature, with_entropy=True)
+                loss, metrics = self.loss_fn(mb, log_probs, entropy, step.counts)
             if recorder is not None:
                 recorder.add_micro_batch(step_index, mb_index, mb, entropy)
-            loss, metrics = self.loss_fn(mb, log_probs, entropy, step.counts)
             # FSDP averages gradients over ranks; the loss terms are already global sums, so undo the mean.
             (loss * self.world_size).backward()
             for name, value in metrics.items():

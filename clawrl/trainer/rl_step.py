@@ -18,7 +18,7 @@ import torch
 from clawrl.algo import compute_advantages_and_returns, kl_estimate, whiten_advantages
 from clawrl.data.train_batch import TrainBatch
 from clawrl.trainer.distributed import all_reduce_sum
-from clawrl.trainer.logprobs import linear_log_probs
+from clawrl.trainer.logprobs import _chunk_logits, linear_log_probs
 from clawrl.trainer.loss import StepCounts
 from clawrl.trainer.micro_batch import MicroBatch, build_micro_batch
 from clawrl.trainer.packing import MicroBatchPlan, plan_micro_batches
@@ -75,6 +75,14 @@ def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: b
         hidden[mb.logit_rows_M], model.lm_head.weight, mb.targets_M, temperature=temperature,
         with_entropy=with_entropy,
     )  # fmt: skip
+
+
+def forward_logits(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Response-position logits of one micro-batch divided by the temperature: [M, V] fp32 (what the
+    log-probs are computed from: log_softmax(logits)[m, targets[m]] is forward_log_probs' value at m).
+    For a custom loss only: the whole [M, V] block exists at once, unlike in the chunked log-prob pass."""
+    hidden = model(mb.input_ids_N, mb.positions_N, mb.attn)
+    return _chunk_logits(hidden[mb.logit_rows_M], model.lm_head.weight, 1.0 / temperature)
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ LAYOUTS = {
     "packed": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"],
     "mbs1": ["--micro-batch-size", "1"],
     "mbs3": ["--micro-batch-size", "3"],
+    "mbs4": ["--micro-batch-size", "4"],
 }
 """Micro-batching: packed by a token budget (several samples per pass), or a fixed number of samples."""
 
@@ -74,8 +75,10 @@ def train_rollout(argv: list[str], samples: list[dict], *, rank: int = 0, world_
     return {"metrics": metrics, "grads": recorder.grads, "weights": recorder.weights}
 
 
-def custom_loss(args, batch, log_probs, sum_of_sample_mean):
-    """--custom-loss-function-path plugin: -A * logp + 0.5 * (logp - old)^2 per token, reduced as given."""
+def custom_loss(args, batch, logits, sum_of_sample_mean):
+    """--custom-loss-function-path plugin: -A * logp + 0.5 * (logp - old)^2 per token, reduced as given;
+    logp from the response logits it receives (already divided by the rollout temperature)."""
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, batch["tokens"].unsqueeze(-1)).squeeze(-1)
     per_token = -batch["advantages"] * log_probs + 0.5 * (log_probs - batch["old_log_probs"]).square()
     return sum_of_sample_mean(per_token), {"custom_advantage": sum_of_sample_mean(batch["advantages"])}
 

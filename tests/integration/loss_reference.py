@@ -19,7 +19,18 @@ Per sample i (response tokens t, loss mask m_t, rewards r grouped by prompt, n p
               rollout, var with Bessel's correction
   policy loss ratio = exp(logp - old) (gspo: exp of the sample's masked mean of logp - old, for every t)
               pg_t = max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps_high)); clipfrac_t = [clipped > unclipped]
-              dual clip c: for A < 0, pg_t = min(pg_t, -c A);  TIS: pg_t *= clamp(exp(old - rollout), lo, hi)
+              dual clip c: for A < 0, pg_t = min(pg_t, -c A)
+  old         the log-probs before the rollout's first step (recomputed), or with --use-rollout-logprobs
+              the engine's rollout log-probs (also in the KL penalty of the advantages)
+  mismatch    (--use-tis or --get-mismatch-metrics) per sample, r_t = exp(train_t - rollout_t) with train the
+              recomputed log-probs: vanilla w = clamp(r, lo, hi); icepop w = r inside [lo, hi] else 0;
+              mis (levels token / sequence sum / geometric mean of train - rollout, bounded at +-20):
+              truncate min(r, hi), clip clamp(r, lo, hi), mask r with out-of-bound tokens leaving the
+              mask; w zero on masked tokens; batch normalisation w / mean w over the step's masked tokens
+              (token) or samples' masked means (sequence); rejection sampling drops tokens / samples with
+              r outside the RS bounds, veto drops a sample with any masked token r < threshold.
+              pg_t *= w; every loss term is then aggregated over the kept tokens (per-token denominator:
+              the original token count), the mismatch metrics and ois = exp(-ppo_kl) over the original mask
   KL          d = logp - ref: k1 = d, k2 = d^2 / 2, k3 = e^-d - 1 + d, low_var_kl = clamp(k3, -10, 10)
   loss        pg - entropy_coef * entropy + kl_loss_coef * kl (--use-kl-loss); sft_loss: -logp
   aggregation over the optimizer step's samples S (every term and metric alike):
@@ -75,6 +86,32 @@ class LossFlags:
     """Upper clamp of the TIS weight."""
     tis_clip_low: float = 0.0
     """Lower clamp of the TIS weight."""
+    use_rollout_logprobs: bool = False
+    """Old log-probs = the rollout's."""
+    get_mismatch_metrics: bool = False
+    """Run the correction function for its metrics even without --use-tis."""
+    custom_tis_function_path: str | None = None
+    """A path ending in vanilla_tis_function, icepop_function or mis_function (None: vanilla)."""
+    tis_level: str = "token"
+    """mis: token, sequence or geometric."""
+    tis_mode: str = "truncate"
+    """mis: truncate, clip or mask."""
+    tis_upper_bound: float = 2.0
+    """mis: upper IS bound."""
+    tis_lower_bound: float | None = None
+    """mis: lower IS bound (None: 1 / upper)."""
+    tis_batch_normalize: bool = False
+    """mis: weights / their mean over the call (here: the step, one micro-batch)."""
+    use_rs: bool = False
+    """mis: rejection sampling."""
+    rs_level: str = "token"
+    """mis: level of the rejection ratio."""
+    rs_lower_bound: float | None = None
+    """mis: lower rejection bound (None: the IS lower bound)."""
+    rs_upper_bound: float | None = None
+    """mis: upper rejection bound (None: the IS upper bound)."""
+    rs_veto_threshold: float | None = None
+    """mis: reject a sample with any masked token ratio below this."""
     calculate_per_token_loss: bool = False
     """Aggregate per token instead of per sample."""
     loss_type: str = "policy_loss"
@@ -176,13 +213,146 @@ def whiten(values: list[list[float]], masks: list[list[int]]) -> list[list[float
     return [[(a - mean) / math.sqrt(var + 1e-8) for a in vs] for vs in values]
 
 
+# ------------------------------------------------------------------------------------------ mismatch
+@dataclass(kw_only=True)
+class Correction:
+    """One sample's mismatch correction: per-token weight and kept-mask, and per-token metrics."""
+
+    weights: list[float]
+    keep: list[int]
+    metrics: dict[str, list[float]]
+
+
+def _clamp(x: float, low: float, high: float) -> float:
+    return min(max(x, low), high)
+
+
+def _level_log_ratio(level: str, diff: list[float], mask: list[int]) -> list[float]:
+    """Per-token log ratio at `level` (the sample's masked sum / mean broadcast for sequence / geometric)."""
+    if level == "token":
+        return list(diff)
+    total = sum(d * m for d, m in zip(diff, mask, strict=True))
+    value = total if level == "sequence" else total / max(sum(mask), 1)
+    return [value] * len(diff)
+
+
+def _masked_mean(values: list[float], mask: list[int]) -> float:
+    return sum(v * m for v, m in zip(values, mask, strict=True)) / max(sum(mask), 1)
+
+
+def _clip_correction(flags: LossFlags, train, rollout, mask, icepop: bool) -> Correction:
+    """vanilla TIS (clamp) or IcePop (zero outside) with --tis-clip-low / --tis-clip."""
+    lo, hi = flags.tis_clip_low, flags.tis_clip
+    ratios = [math.exp(t - r) for t, r in zip(train, rollout, strict=True)]
+    if icepop:
+        weights = [x if lo <= x <= hi else 0.0 for x in ratios]
+    else:
+        weights = [_clamp(x, lo, hi) for x in ratios]
+    changed = [float(w != x) for w, x in zip(weights, ratios, strict=True)]
+    metrics = {"tis": ratios, "tis_clipfrac": changed, "tis_abs": [abs(x - 1) for x in ratios]}
+    return Correction(weights=weights, keep=list(mask), metrics=metrics)
+
+
+def _perplexities(train, rollout, mask) -> dict[str, list[float]]:
+    n, mean_train, mean_rollout = len(mask), _masked_mean(train, mask), _masked_mean(rollout, mask)
+    diffs = [t - r for t, r in zip(train, rollout, strict=True)]
+    gap = mean_rollout - mean_train
+    return {
+        "mis_training_log_ppl": [-mean_train] * n, "mis_training_ppl": [math.exp(-mean_train)] * n,
+        "mis_rollout_log_ppl": [-mean_rollout] * n, "mis_rollout_ppl": [math.exp(-mean_rollout)] * n,
+        "mis_kl": [-d for d in diffs], "mis_k3_kl": [math.exp(d) - d - 1 for d in diffs],
+        "mis_log_ppl_diff": [gap] * n, "mis_log_ppl_abs_diff": [abs(gap)] * n, "mis_ppl_ratio": [math.exp(gap)] * n,
+    }  # fmt: skip
+
+
+def _mis_correction(flags: LossFlags, train, rollout, mask) -> Correction:
+    """The MIS function on one sample (batch normalisation is applied over the step by the caller)."""
+    diffs = [t - r for t, r in zip(train, rollout, strict=True)]
+    metrics, keep, weights = _perplexities(train, rollout, mask), list(mask), [1.0] * len(mask)
+    lower = 1 / flags.tis_upper_bound if flags.tis_lower_bound is None else flags.tis_lower_bound
+    upper = flags.tis_upper_bound
+    if flags.use_tis:
+        ratios = [math.exp(_clamp(x, -20, 20)) for x in _level_log_ratio(flags.tis_level, diffs, mask)]
+        low, high = [float(x < lower) for x in ratios], [float(x > upper) for x in ratios]
+        if flags.tis_mode == "truncate":
+            weights, bound_metrics = [min(x, upper) for x in ratios], {"truncate_fraction": high}
+        elif flags.tis_mode == "clip":
+            weights = [_clamp(x, lower, upper) for x in ratios]
+            bound_metrics = {"clip_fraction_low": low, "clip_fraction_high": high}
+        else:
+            weights, bound_metrics = list(ratios), {"mask_fraction_low": low, "mask_fraction_high": high}
+            keep = [int(m and lower <= x <= upper) for m, x in zip(mask, ratios, strict=True)]
+        weights = [w * m for w, m in zip(weights, mask, strict=True)]
+        metrics.update({f"mis_{k}": v for k, v in bound_metrics.items()})
+        metrics.update(mis_tis_weight_before_bound=ratios, mis_tis_weight_after_bound=list(weights))
+    if flags.use_rs:
+        rs_low = lower if flags.rs_lower_bound is None else flags.rs_lower_bound
+        rs_high = upper if flags.rs_upper_bound is None else flags.rs_upper_bound
+        ratios = [math.exp(_clamp(x, -20, 20)) for x in _level_log_ratio(flags.rs_level, diffs, mask)]
+        keep = [int(k and rs_low <= x <= rs_high) for k, x in zip(keep, ratios, strict=True)]
+        metrics["mis_rs_mask_fraction_low"] = [float(x < rs_low) for x in ratios]
+        metrics["mis_rs_mask_fraction_high"] = [float(x > rs_high) for x in ratios]
+        if flags.rs_veto_threshold is not None:
+            bad = [
+                float(m and math.exp(d) < flags.rs_veto_threshold) for d, m in zip(diffs, mask, strict=True)
+            ]
+            if any(bad):
+                keep = [0] * len(keep)
+            metrics["mis_catastrophic_token_fraction"] = bad
+            metrics["mis_catastrophic_seq_fraction"] = [float(any(bad))] * len(bad)
+    return Correction(weights=weights, keep=keep, metrics=metrics)
+
+
+def _batch_normalize(flags: LossFlags, corrections: list[Correction], masks: list[list[int]]) -> None:
+    """--tis-batch-normalize over the given samples (one call of the function), in place."""
+    if flags.tis_level == "token":
+        total = sum(
+            w * m
+            for c, ms in zip(corrections, masks, strict=True)
+            for w, m in zip(c.weights, ms, strict=True)
+        )
+        mean = total / max(sum(sum(ms) for ms in masks), 1)
+    else:
+        mean = sum(_masked_mean(c.weights, ms) for c, ms in zip(corrections, masks, strict=True)) / len(masks)
+    for c in corrections:
+        if mean > 1e-8:
+            c.weights = [w / mean for w in c.weights]
+        c.metrics["mis_batch_norm_factor"] = [mean if mean > 1e-8 else 1.0] * len(c.weights)
+
+
+def mismatch_corrections(flags: LossFlags, data: RolloutData, ids: list[int]) -> dict[int, Correction]:
+    """The correction of each sample of one call (the step's samples), or {} when it is off."""
+    if not (flags.use_tis or flags.get_mismatch_metrics):
+        return {}
+    kind = (flags.custom_tis_function_path or "vanilla_tis_function").rpartition(":")[2].rpartition(".")[2]
+    out = {}
+    for i in ids:
+        args = (flags, data.train[i], data.rollout[i], data.masks[i])
+        out[i] = (
+            _mis_correction(*args)
+            if kind == "mis_function"
+            else _clip_correction(*args, kind == "icepop_function")
+        )
+    if kind == "mis_function" and flags.use_tis:
+        for c in out.values():
+            c.metrics["mis_ratio_mean_after_tis"] = list(c.weights)
+        if flags.tis_batch_normalize:
+            _batch_normalize(flags, [out[i] for i in ids], [data.masks[i] for i in ids])
+            for c in out.values():
+                c.metrics["mis_ratio_mean_after_tis"] = list(c.weights)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ per-token loss
-def policy_terms(flags: LossFlags, log_probs, entropy, *, old, adv, mask, ref=None, rollout=None):
-    """Per-token terms {name: [torch scalar per token]} of one sample's policy loss and its metrics."""
+def policy_terms(flags: LossFlags, log_probs, entropy, *, old, adv, mask, ref=None, rollout=None,
+                 correction: Correction | None = None):  # fmt: skip
+    """Per-token terms of one sample: ({name: [torch scalar per token]} aggregated over the kept mask,
+    {name: [...]} of mismatch metrics aggregated over the original mask)."""
     eps_high = flags.eps_clip if flags.eps_clip_high is None else flags.eps_clip_high
     num_masked = max(sum(mask), 1)
     seq_kl = sum((old[t] - log_probs[t]) * mask[t] for t in range(len(mask))) / num_masked
     terms: dict[str, list] = {}
+    mismatch: dict[str, list] = {}
     for t in range(len(mask)):
         row: dict[str, torch.Tensor] = {}
         ppo_kl = seq_kl if flags.advantage_estimator == "gspo" else old[t] - log_probs[t]
@@ -194,15 +364,11 @@ def policy_terms(flags: LossFlags, log_probs, entropy, *, old, adv, mask, ref=No
             pg = torch.minimum(pg, torch.tensor(-flags.eps_clip_c * adv[t], dtype=pg.dtype))
         row["pg_clipfrac"] = (clipped > unclipped).double()
         row["ppo_kl"] = ppo_kl.detach()
-        if flags.use_tis:
-            tis_ratio = math.exp(old[t] - rollout[t])
-            weight = min(max(tis_ratio, flags.tis_clip_low), flags.tis_clip)
-            pg = pg * weight
-            row["tis"] = torch.tensor(weight, dtype=torch.float64)
-            clipped_tis = tis_ratio < flags.tis_clip_low or tis_ratio > flags.tis_clip
-            row["tis_clipfrac"] = torch.tensor(float(clipped_tis), dtype=torch.float64)
-            row["tis_abs"] = torch.tensor(abs(tis_ratio - 1), dtype=torch.float64)
-            row["ois"] = torch.exp(log_probs[t] - old[t]).detach()
+        if correction is not None:
+            pg = pg * correction.weights[t]
+            mismatch.setdefault("ois", []).append(torch.exp(-ppo_kl).detach())
+            for name, values in correction.metrics.items():
+                mismatch.setdefault(name, []).append(torch.tensor(values[t], dtype=torch.float64))
         row["pg_loss"] = pg
         row["entropy_loss"] = entropy[t]
         loss = pg - flags.entropy_coef * entropy[t]
@@ -216,7 +382,7 @@ def policy_terms(flags: LossFlags, log_probs, entropy, *, old, adv, mask, ref=No
         row["loss"] = loss
         for name, value in row.items():
             terms.setdefault(name, []).append(value)
-    return terms
+    return terms, mismatch
 
 
 # ------------------------------------------------------------------------------------------ aggregation
@@ -224,11 +390,13 @@ def _masked_sum(values: list, mask: list[int]):
     return sum(v * m for v, m in zip(values, mask, strict=True))
 
 
-def aggregate(flags: LossFlags, values: list[list], masks: list[list[int]], max_response_len: int):
-    """The step-level aggregate of per-token values of the step's samples (see the module docstring)."""
+def aggregate(flags: LossFlags, values: list[list], masks: list[list[int]], max_response_len: int,
+              num_tokens: int | None = None):  # fmt: skip
+    """The step-level aggregate of per-token values of the step's samples (see the module docstring);
+    `num_tokens` is the per-token denominator (default: the masks' total)."""
     sums = [_masked_sum(vs, ms) for vs, ms in zip(values, masks, strict=True)]
     if flags.calculate_per_token_loss:
-        return sum(sums) / max(sum(sum(m) for m in masks), 1)
+        return sum(sums) / max(sum(sum(m) for m in masks) if num_tokens is None else num_tokens, 1)
     if flags.advantage_estimator == "dr_grpo":
         return sum(sums) / (len(masks) * max_response_len)
     return sum(total / max(sum(ms), 1) for total, ms in zip(sums, masks, strict=True)) / len(masks)
@@ -251,6 +419,8 @@ class RolloutData:
     masks: list[list[int]]
     """Loss masks (a removed sample's is all 0)."""
     old: list[list[float]]
+    """Old log-probs of the loss: the rollout's with --use-rollout-logprobs, else `train`."""
+    train: list[list[float]]
     """Log-probs of the weights before the rollout's first optimizer step."""
     ref: list[list[float]]
     """Reference-model log-probs."""
@@ -263,6 +433,7 @@ class RolloutData:
 def rollout_data(flags, *, tokens, response_lengths, masks, raw_rewards, n, old, ref, rollout) -> RolloutData:
     """Rewards -> advantages (-> whitening) for the whole rollout, from the old and reference log-probs."""
     rewards = process_rewards(flags, raw_rewards, n)
+    train, old = old, (rollout if flags.use_rollout_logprobs else old)
     kl = [
         [float(kl_value(flags.kl_loss_type, o, r)) for o, r in zip(old_i, ref_i, strict=True)]
         for old_i, ref_i in zip(old, ref, strict=True)
@@ -270,8 +441,8 @@ def rollout_data(flags, *, tokens, response_lengths, masks, raw_rewards, n, old,
     adv = advantages(flags, rewards, masks, kl)
     if flags.normalize_advantages:
         adv = whiten(adv, masks)
-    return RolloutData(tokens=tokens, response_lengths=response_lengths, masks=masks, old=old, ref=ref,
-                       rollout=rollout, advantages=adv)  # fmt: skip
+    return RolloutData(tokens=tokens, response_lengths=response_lengths, masks=masks, old=old, train=train,
+                       ref=ref, rollout=rollout, advantages=adv)  # fmt: skip
 
 
 def reference_step(flags: LossFlags, model, data: RolloutData, ids: list[int], *, temperature: float,
@@ -280,20 +451,35 @@ def reference_step(flags: LossFlags, model, data: RolloutData, ids: list[int], *
     the loss is differentiable in the model's parameters. `custom_terms(log_probs, old, adv)` -> {name:
     per-token values}, with the loss under "loss", replaces the policy loss (--loss-type custom_loss)."""
     masks = [data.masks[i] for i in ids]
+    corrections = (
+        {} if custom_terms or flags.loss_type != "policy_loss" else mismatch_corrections(flags, data, ids)
+    )
+    kept = [corrections[i].keep if i in corrections else data.masks[i] for i in ids]
     columns: dict[str, list[list]] = {}
+    mismatch_columns: dict[str, list[list]] = {}
     for i in ids:
         log_probs, entropy = response_log_probs(model, data.tokens[i], data.response_lengths[i], temperature)
+        mismatch: dict[str, list] = {}
         if flags.loss_type == "sft_loss":
             terms = {"loss": [-lp for lp in log_probs]}
         elif custom_terms is not None:
             terms = custom_terms(log_probs, data.old[i], data.advantages[i])
         else:
-            terms = policy_terms(
+            terms, mismatch = policy_terms(
                 flags, log_probs, entropy, old=data.old[i], adv=data.advantages[i], mask=data.masks[i],
                 ref=data.ref[i], rollout=None if data.rollout is None else data.rollout[i],
+                correction=corrections.get(i),
             )  # fmt: skip
         for name, per_token in terms.items():
             columns.setdefault(name, []).append(per_token)
-    reduced = {name: aggregate(flags, values, masks, max_response_len) for name, values in columns.items()}
+        for name, per_token in mismatch.items():
+            mismatch_columns.setdefault(name, []).append(per_token)
+    num_tokens = sum(sum(m) for m in masks)
+    reduced = {
+        name: aggregate(flags, values, kept, max_response_len, num_tokens) for name, values in columns.items()
+    }
+    reduced.update(
+        {name: aggregate(flags, values, masks, max_response_len) for name, values in mismatch_columns.items()}
+    )
     metrics = {name: float(torch.as_tensor(value).detach()) for name, value in reduced.items()}
     return reduced["loss"], metrics

@@ -139,7 +139,9 @@ def check_against_reference(assets: Assets, flags: LossFlags, result: dict, *, c
     """The trainer's metrics and gradients of both optimizer steps equal the reference's."""
     data, steps = _reference_steps(assets, flags, result["weights"][0], custom, grads=True)
     metrics = result["metrics"]
-    rollout_want = {"advantages": data.advantages, "log_probs": data.old, "rollout_log_probs": data.rollout}
+    rollout_want = {"advantages": data.advantages, "rollout_log_probs": data.rollout}
+    if not flags.use_rollout_logprobs or flags.get_mismatch_metrics:  # else the recompute pass is skipped
+        rollout_want["log_probs"] = data.train
     if flags.use_kl_loss or flags.kl_coef:  # the reference model runs only when a KL term needs it
         rollout_want["ref_log_probs"] = data.ref
     assert {k.removeprefix("rollout/") for k in metrics if k.startswith("rollout/")} == set(rollout_want)
@@ -173,6 +175,54 @@ def _check_flags_matter(assets, flags, result, steps, custom) -> None:
 
 # --------------------------------------------------------------------------------------------- cases
 RPP = dict(normalize_advantages=True)
+MIS = "clawrl.algo.tis:mis_function"
+MISMATCH_CASES = {
+    "rollout_logprobs": LossFlags(use_rollout_logprobs=True),
+    "rollout_logprobs_kl_reward": LossFlags(
+        advantage_estimator="reinforce_plus_plus", kl_coef=0.5, use_rollout_logprobs=True, **RPP
+    ),
+    "rollout_logprobs_mismatch_metrics": LossFlags(
+        use_rollout_logprobs=True, get_mismatch_metrics=True, custom_tis_function_path=MIS
+    ),
+    "icepop": LossFlags(
+        use_tis=True,
+        custom_tis_function_path="clawrl.algo.tis:icepop_function",
+        tis_clip=1.3,
+        tis_clip_low=0.5,
+    ),
+    "icepop_metrics_only": LossFlags(
+        get_mismatch_metrics=True, custom_tis_function_path="clawrl.algo.tis.icepop_function"
+    ),
+    "mis_truncate_token": LossFlags(use_tis=True, custom_tis_function_path=MIS, tis_upper_bound=1.5),
+    "mis_clip_sequence": LossFlags(
+        use_tis=True, custom_tis_function_path=MIS, tis_level="sequence", tis_mode="clip", tis_lower_bound=0.6
+    ),
+    "mis_mask_geometric": LossFlags(
+        use_tis=True,
+        custom_tis_function_path=MIS,
+        tis_level="geometric",
+        tis_mode="mask",
+        tis_upper_bound=1.2,
+    ),
+    "mis_mask_token_per_token": LossFlags(
+        use_tis=True, custom_tis_function_path=MIS, tis_mode="mask", calculate_per_token_loss=True
+    ),
+    "mis_rs_veto": LossFlags(
+        use_tis=True,
+        custom_tis_function_path=MIS,
+        use_rs=True,
+        rs_lower_bound=0.45,
+        rs_upper_bound=1.2,
+        rs_veto_threshold=0.42,
+    ),
+    "mis_rs_sequence": LossFlags(
+        use_tis=True, custom_tis_function_path=MIS, use_rs=True, rs_level="sequence", rs_upper_bound=3.0
+    ),
+    "mis_metrics_only": LossFlags(get_mismatch_metrics=True, custom_tis_function_path=MIS),
+    "mis_rs_without_is": LossFlags(
+        get_mismatch_metrics=True, custom_tis_function_path=MIS, use_rs=True, rs_level="geometric"
+    ),
+}
 KITCHEN_SINK = LossFlags(
     normalize_advantages=True, use_kl_loss=True, kl_loss_coef=0.3, kl_loss_type="k3", eps_clip=0.1,
     eps_clip_high=0.3, eps_clip_c=1.05, entropy_coef=0.05, use_tis=True, tis_clip=1.5, tis_clip_low=0.5,
@@ -211,6 +261,9 @@ CASES = {
     "tis": LossFlags(use_tis=True),
     "tis_clamps": LossFlags(use_tis=True, tis_clip=1.5, tis_clip_low=0.5),
     "entropy": LossFlags(entropy_coef=0.05),
+    "gspo_tis": LossFlags(advantage_estimator="gspo", use_tis=True),
+    # train/rollout mismatch: rollout log-probs as the old policy, TIS functions, MIS, rejection sampling
+    **MISMATCH_CASES,
     # aggregation
     "per_token": LossFlags(calculate_per_token_loss=True),
     "dr_grpo_per_token": LossFlags(advantage_estimator="dr_grpo", calculate_per_token_loss=True),
@@ -240,6 +293,15 @@ def test_micro_batching_matches_reference(assets, layout, per_token):
     check_against_reference(assets, flags, result)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_mis_batch_normalize_matches_reference(assets, level):
+    """--tis-batch-normalize rescales over one call of the function (a micro-batch): one per step here."""
+    flags = LossFlags(use_tis=True, custom_tis_function_path=MIS, tis_level=level, tis_batch_normalize=True,
+                      tis_mode="clip", tis_upper_bound=1.8)  # fmt: skip
+    result = train_rollout(_argv(assets, flags, "mbs4"), assets.samples)
+    check_against_reference(assets, flags, result)
+
+
 def test_custom_loss_matches_reference(assets):
     flags = LossFlags()
     result = train_rollout(_argv(assets, flags, "packed", custom=True), assets.samples)
@@ -252,6 +314,8 @@ TWO_RANK_CASES = {
     "dr_grpo": (CASES["dr_grpo"], "packed"),
     "gspo": (CASES["gspo"], "mbs1"),
     "rpp": (CASES["rpp"], "packed"),
+    "mis_rs_veto": (CASES["mis_rs_veto"], "mbs1"),
+    "rollout_logprobs_kl_reward": (CASES["rollout_logprobs_kl_reward"], "packed"),
 }
 
 
