@@ -6,7 +6,9 @@ What a job would otherwise discover 10-30 s later inside a Ray actor's traceback
 (exists, config.json readable, an architecture the trainer and the engine implement), the prompt datasets
 (readable, every line valid JSON, --input-key / --label-key present), the reward (a known --rm-type, or a
 --custom-rm-path that imports and has a callable signature), the other plugin paths (import and callable),
-the dumps a replay reads, and the output directory (creatable and writable).
+the dumps a replay reads, and the output directory (creatable and writable). Also two flag rules that
+would otherwise fail inside a Ray actor: a rollout needs --prompt-data and a reward, and every trainer
+rank needs a sample of each optimizer step.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ _PLUGIN_FLAGS = {
 
 def preflight(job: JobConfig) -> None:
     """Raise ConfigError for the first unusable input (see the module docstring)."""
+    _rollout_inputs(job)
+    _trainer_ranks(job)
     _model(job)
     _datasets(job)
     _plugins(job)
@@ -45,6 +49,33 @@ def _stall_points() -> None:
     bad = unknown()
     if bad:
         raise ConfigError(f"{ENV_VAR}: unknown stall point {bad[0]!r}; known: {', '.join(POINTS)}")
+
+
+def _rollout_inputs(job: JobConfig) -> None:
+    """What the rollout manager needs to make a rollout (nothing with --debug-train-only: it replays dumps)."""
+    r = job.rollout
+    if job.debug.debug_train_only or r.rollout_function_path:
+        return
+    if job.data.prompt_data is None:
+        raise ConfigError("--prompt-data is required (unset) unless --rollout-function-path makes prompts")
+    if not (r.rm_type or r.custom_rm_path or r.custom_generate_function_path):
+        raise ConfigError(
+            "no reward function: pass --rm-type or --custom-rm-path (or a --custom-generate-function-path "
+            "or --rollout-function-path that sets rewards itself)"
+        )
+
+
+def _trainer_ranks(job: JobConfig) -> None:
+    """Every trainer rank joins every optimizer step (FSDP's collectives), so each needs a sample of it.
+    Here rather than in validate(): validate() also resolves partial jobs that keep the default GPU count (8)."""
+    res, gbs = job.resources, job.train.global_batch_size
+    if job.debug.debug_rollout_only or gbs is None or gbs >= res.actor_num_gpus:
+        return
+    raise ConfigError(
+        f"--global-batch-size {gbs} (samples per optimizer step) is smaller than the {res.actor_num_gpus} "
+        f"trainer ranks (--actor-num-nodes {res.actor_num_nodes} x --actor-num-gpus-per-node "
+        f"{res.actor_num_gpus_per_node}); every rank needs at least one sample per step"
+    )
 
 
 def _model(job: JobConfig) -> None:

@@ -53,6 +53,10 @@ class AlgoConfig:
     """Discount factor of ppo (GAE) and reinforce_plus_plus returns."""
     lambd: float = 1.0
     """GAE lambda of ppo."""
+    value_clip: float = 0.2
+    """ppo: the critic's new values count in the value loss only within +-X of the values of the rollout."""
+    num_critic_only_steps: int = 0
+    """ppo: the first N rollouts train only the critic (the policy is left unchanged)."""
     use_tis: bool = False
     """Truncated importance sampling: weight the loss by the train/rollout probability ratio, clipped."""
     tis_clip: float = 2.0
@@ -92,6 +96,8 @@ class AlgoConfig:
             at_least(self, name, 0)
         above(self, "eps_clip_c", 1)
         above(self, "tis_clip", 0)
+        above(self, "value_clip", 0)
+        at_least(self, "num_critic_only_steps", 0)
         for name in ("tis_upper_bound", "rs_upper_bound", "rs_veto_threshold"):
             above(self, name, 0)
         for name in ("tis_lower_bound", "rs_lower_bound"):

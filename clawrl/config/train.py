@@ -49,12 +49,19 @@ class TrainConfig:
     """policy_loss (RL), sft_loss (negative log-likelihood of response tokens) or custom_loss."""
     custom_loss_function_path: str | None = option(metavar="MODULE.FN")
     """Loss for --loss-type custom_loss: fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)."""
+    critic_load: str | None = option(metavar="DIR")
+    """ppo: initial critic, an HF model dir or a clawrl --save dir; default: --hf-checkpoint (value head zero)."""
+    critic_lr: float | None = None
+    """ppo: the critic's peak learning rate; default: --lr."""
+    critic_lr_warmup_iters: int = 0
+    """ppo: optimizer steps of linear warm-up of the critic's learning rate from 0."""
 
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("global_batch_size", "num_steps_per_rollout", "micro_batch_size", "max_tokens_per_gpu"):
             at_least(self, name, 1)
-        for name in ("lr", "lr_warmup_iters", "min_lr", "weight_decay", "clip_grad"):
+        for name in ("lr", "lr_warmup_iters", "min_lr", "weight_decay", "clip_grad", "critic_lr",
+                     "critic_lr_warmup_iters"):  # fmt: skip
             at_least(self, name, 0)
         in_range(self, "adam_beta1", 0, 1)
         in_range(self, "adam_beta2", 0, 1)

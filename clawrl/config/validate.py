@@ -9,7 +9,12 @@ values. The rules (slime's batch-size relations and its argument validation, for
   (--use-kl-loss, --kl-coef != 0) need one of them; an explicit, different --ref-load must exist;
   --save-interval needs --save.
 - algorithm: --eps-clip-high defaults to --eps-clip; --kl-coef and --kl-loss-coef not both non-zero;
-  reinforce_plus_plus[_baseline] need --normalize-advantages; --tis-clip-low <= --tis-clip.
+  reinforce_plus_plus[_baseline] need --normalize-advantages; --tis-clip-low <= --tis-clip; --kl-coef only
+  with an estimator that folds it into the reward (ppo, reinforce_plus_plus[_baseline]: slime ignores it
+  elsewhere, clawrl's advantage code refuses it); rloo needs --n-samples-per-prompt >= 2.
+- critic: --critic-load, --critic-lr, --critic-lr-warmup-iters and --num-critic-only-steps need
+  --advantage-estimator ppo; ppo needs --loss-type policy_loss and --model-impl native, an existing
+  --critic-load, --min-lr <= --critic-lr (which defaults to --lr).
 - train/rollout mismatch (slime's rules, then flags slime would silently ignore): --use-tis and
   --use-rollout-logprobs exclude each other; --get-mismatch-metrics needs --custom-tis-function-path;
   --custom-tis-function-path needs --use-tis or --get-mismatch-metrics; both need --loss-type policy_loss;
@@ -24,6 +29,7 @@ values. The rules (slime's batch-size relations and its argument validation, for
   trainer's GPUs; unset offloads become False; --rollout-num-gpus-per-engine divides --rollout-num-gpus.
 - rewards and losses: --rm-type remote_rm needs --rm-url; --loss-type custom_loss needs its function path;
   --min-lr <= --lr.
+- lengths: --rollout-max-prompt-len <= --sglang-context-length - 1 (room for one response token).
 - debugging: --debug-rollout-only and --debug-train-only exclude each other; --load-debug-rollout-data implies
   --debug-train-only, which needs it (nothing else to train on); --dump-details DIR sets the rollout and train
   dump templates under DIR; the two templates differ; a template is a str.format string whose only field is
@@ -59,11 +65,13 @@ def validate(job: JobConfig) -> JobConfig:
         _model_paths,
         _algorithm,
         _mismatch,
+        _critic,
         _batch_sizes,
         _run_length,
         _debug,
         _resources,
         _rewards_and_losses,
+        _prompt_fits_context,
         _output,
     ):
         rule(job)
@@ -110,10 +118,17 @@ def _algorithm(job: JobConfig) -> None:
     if a.tis_clip_low > a.tis_clip:
         raise ConfigError(f"--tis-clip-low {a.tis_clip_low} must be <= --tis-clip {a.tis_clip}")
     if a.kl_coef != 0 and a.advantage_estimator not in _KL_REWARD_ESTIMATORS:
-        logger.warning(
-            "--kl-coef %s has no effect with --advantage-estimator %s; use --use-kl-loss --kl-loss-coef",
-            a.kl_coef,
-            a.advantage_estimator,
+        # slime ignores it silently; clawrl's advantage code refuses it, so refuse it here, before Ray.
+        raise ConfigError(
+            f"--kl-coef {a.kl_coef} has no effect with --advantage-estimator {a.advantage_estimator} (its "
+            "advantage is the reward alone); use --use-kl-loss --kl-loss-coef, or an estimator that folds "
+            f"the KL into the reward: {', '.join(_KL_REWARD_ESTIMATORS)}"
+        )
+    n = job.rollout.n_samples_per_prompt
+    if a.advantage_estimator == "rloo" and n < 2:
+        raise ConfigError(
+            f"--advantage-estimator rloo needs --n-samples-per-prompt >= 2, got {n}: its baseline is the "
+            "mean reward of the prompt's other samples"
         )
     if a.kl_loss_coef != 0 and not a.use_kl_loss:
         logger.warning("--kl-loss-coef %s has no effect without --use-kl-loss", a.kl_loss_coef)
@@ -255,6 +270,48 @@ def _resources(job: JobConfig) -> None:
         )
 
 
+_CRITIC_FLAGS = {
+    "critic_load": None,
+    "critic_lr": None,
+    "critic_lr_warmup_iters": 0,
+    "num_critic_only_steps": 0,
+}
+"""The critic's flags and their defaults: set to anything else without ppo, they would be ignored."""
+
+
+def _critic(job: JobConfig) -> None:
+    """ppo's critic: the policy loss with the native model; --critic-lr defaults to --lr."""
+    a, t = job.algo, job.train
+    component = {"num_critic_only_steps": a}
+    if a.advantage_estimator != "ppo":
+        for name, default in _CRITIC_FLAGS.items():
+            value = getattr(component.get(name, t), name)
+            if value != default:
+                raise ConfigError(
+                    f"{flag_of(name)} {value} needs --advantage-estimator ppo (the only estimator with a "
+                    f"critic), got --advantage-estimator {a.advantage_estimator}"
+                )
+        return
+    if t.loss_type != "policy_loss":
+        raise ConfigError(
+            f"--advantage-estimator ppo trains a critic for the policy loss; --loss-type {t.loss_type} "
+            "uses no advantages (use --loss-type policy_loss)"
+        )
+    if job.model.model_impl != "native":
+        raise ConfigError(
+            f"--advantage-estimator ppo builds its critic from clawrl's native decoder; --model-impl "
+            f"{job.model.model_impl} is not supported with it (use --model-impl native)"
+        )
+    if t.critic_load is not None and not os.path.exists(t.critic_load):
+        raise ConfigError(f"--critic-load {t.critic_load!r} does not exist")
+    if t.critic_lr is None:
+        t.critic_lr = t.lr
+    if t.min_lr > t.critic_lr:
+        raise ConfigError(
+            f"--min-lr {t.min_lr} must be <= --critic-lr {t.critic_lr} (the critic decays to it)"
+        )
+
+
 def _rewards_and_losses(job: JobConfig) -> None:
     r, t = job.rollout, job.train
     if r.rm_type == "remote_rm" and r.rm_url is None:
@@ -263,6 +320,16 @@ def _rewards_and_losses(job: JobConfig) -> None:
         raise ConfigError("--loss-type custom_loss requires --custom-loss-function-path MODULE.FN (unset)")
     if t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} must be <= --lr {t.lr}")
+
+
+def _prompt_fits_context(job: JobConfig) -> None:
+    """slime's rule: a prompt of the longest kept length leaves room for at least one response token."""
+    prompt_len, context = job.data.rollout_max_prompt_len, job.engine.sglang_context_length
+    if prompt_len is not None and context is not None and prompt_len > context - 1:
+        raise ConfigError(
+            f"--rollout-max-prompt-len {prompt_len} must be <= --sglang-context-length {context} - 1: "
+            "a prompt of that length leaves no room for a response token"
+        )
 
 
 def _debug(job: JobConfig) -> None:

@@ -7,12 +7,17 @@
     for bucket in actor.weight_buckets(): ...      # (HF name, full tensor) buckets for weight sync
     actor.offload(); ...; actor.onload()           # --colocate: free the GPU while the engines generate
 
+With --advantage-estimator ppo each rank also holds the critic (clawrl/trainer/critic.py): train() computes
+its values, GAE advantages and returns, trains it, then the policy (not during --num-critic-only-steps);
+save/load and offload/onload include it.
+
 All ranks of a job call the same methods in the same order (they run collectives).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 from pathlib import Path
@@ -31,6 +36,7 @@ from clawrl.models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_hf_dir, load_mod
 from clawrl.models.layers import enable_train_kernels
 from clawrl.models.loader import iter_safetensors, load_weights
 from clawrl.trainer import checkpoint as ckpt
+from clawrl.trainer.critic import Critic
 from clawrl.trainer.distributed import all_reduce_sum, free_port, init_distributed
 from clawrl.trainer.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh, reshard_all
 from clawrl.trainer.loss import LossFunction
@@ -62,7 +68,10 @@ class TrainActor:
         self.loaded_meta: dict[str, Any] | None = None
         self.total_optimizer_steps: int | None = None
         # Host copies while offloaded, per group: parameters can come back alone (weight sync, export).
-        self._host = {"params": HostOffload(), "optim": HostOffload(), "ref": HostOffload()}
+        self._host = {"params": HostOffload(), "optim": HostOffload(), "ref": HostOffload(),
+                      "critic_params": HostOffload(), "critic_optim": HostOffload()}  # fmt: skip
+        self.critic: Critic | None = None
+        """ppo's value model, in this rank beside the policy (None for the other estimators)."""
 
     # ------------------------------------------------------------------------------------------ setup
     def init(self, total_optimizer_steps: int | None = None) -> int:
@@ -84,6 +93,9 @@ class TrainActor:
         )  # fmt: skip
         self.ref_bank = self._build_ref_bank() if self._needs_ref() else None
         self.loss_fn = self._build_loss()
+        if self.job.algo.advantage_estimator == "ppo":
+            self.critic = Critic(self.job, mesh=self.mesh, device=self.device, world_size=self.world_size,
+                                 total_optimizer_steps=total_optimizer_steps)  # fmt: skip
         return self._maybe_load()
 
     def _build_model(self):
@@ -117,10 +129,6 @@ class TrainActor:
 
     def _build_loss(self) -> LossFunction:
         train, algo = self.job.train, self.job.algo
-        if algo.advantage_estimator == "ppo" and train.loss_type == "policy_loss":
-            raise ValueError(
-                "--advantage-estimator ppo needs a critic model, which clawrl's trainer does not have yet"
-            )
         custom = tis = None
         if train.loss_type == "custom_loss":
             custom = load_function(train.custom_loss_function_path, "--custom-loss-function-path")
@@ -135,6 +143,8 @@ class TrainActor:
             return 0
         meta = ckpt.load_checkpoint(self.job.model.load, self.model, self.optimizer)
         self.schedule.load_state_dict(meta["schedule"])
+        if self.critic is not None:
+            self.critic.load(self.job.model.load, int(meta["next_rollout_id"]))
         self.loaded_meta = meta
         self.rollout_id_next = int(meta["next_rollout_id"])
         return self.rollout_id_next
@@ -153,12 +163,16 @@ class TrainActor:
         watch = Stopwatch(self.device)
         steps = self._plan(batch)
         my_ids = [i for s in steps for i in (s.sample_ids[j] for j in s.plan.samples_of(self.rank))]
-        temperature, algo = self.job.rollout.rollout_temperature, self.job.algo
+        algo = self.job.algo
         self.model.train()
         log_probs, ref_log_probs, rollout_log_probs = self._log_prob_passes(batch, steps, my_ids, watch)
         old_log_probs = rollout_log_probs if algo.use_rollout_logprobs else log_probs
+        values = None
+        if self.critic is not None:
+            with watch("values"):
+                values = self.critic.values(batch, steps, self.rank)
         advantages, returns = compute_advantages(
-            batch, my_ids, algo, old_log_probs, ref_log_probs, self.device
+            batch, my_ids, algo, old_log_probs, ref_log_probs, self.device, values=values
         )
         per_token = {"old_log_probs": old_log_probs, "advantages": advantages}
         if ref_log_probs is not None:
@@ -173,11 +187,16 @@ class TrainActor:
             if self.job.debug.save_debug_train_data
             else None
         )
-        with watch("actor_train"):
-            metrics["train"] = [
-                self._optimizer_step(batch, s, per_token, temperature, recorder=recorder, step_index=k)
-                for k, s in enumerate(steps)
-            ]
+        critic_steps = []
+        if self.critic is not None:  # slime's order: the critic trains first, on the same old values
+            metrics.update(self.critic.rollout_metrics(batch, values, returns))
+            with watch("critic_train"):
+                critic_steps = [self.critic.train_step(batch, s, self.rank, values, returns) for s in steps]
+        actor_steps = self._policy_steps(batch, steps, per_token, watch, recorder)
+        # One dict per optimizer step: the policy's and the critic's k-th steps share a row.
+        metrics["train"] = [
+            {**a, **c} for a, c in itertools.zip_longest(actor_steps, critic_steps, fillvalue={})
+        ]
         if recorder is not None:  # the driver gathers every rank's records and writes the train dump
             metrics[TRAIN_RECORDS_KEY] = recorder.records(
                 batch,
@@ -188,11 +207,23 @@ class TrainActor:
             )
         metrics.update({f"perf/{k}_time": v for k, v in watch.times.items()})
         num_tokens = sum(batch.total_lengths)
-        metrics["perf/actor_train_tok_per_s"] = (
-            num_tokens * len(steps) / max(watch.times["actor_train"], 1e-9)
-        )
+        if "actor_train" in watch.times:  # not in ppo's critic-only rollouts (--num-critic-only-steps)
+            metrics["perf/actor_train_tok_per_s"] = (
+                num_tokens * len(steps) / max(watch.times["actor_train"], 1e-9)
+            )
         self.rollout_id_next = batch.rollout_id + 1
         return metrics
+
+    def _policy_steps(self, batch, steps, per_token, watch, recorder) -> list[dict[str, float]]:
+        """The policy's optimizer steps' metrics; none in ppo's first --num-critic-only-steps rollouts."""
+        if self.critic is not None and batch.rollout_id < self.job.algo.num_critic_only_steps:
+            return []
+        temperature = self.job.rollout.rollout_temperature
+        with watch("actor_train"):
+            return [
+                self._optimizer_step(batch, s, per_token, temperature, recorder=recorder, step_index=k)
+                for k, s in enumerate(steps)
+            ]
 
     def _plan(self, batch: TrainBatch):
         train = self.job.train
@@ -300,7 +331,9 @@ class TrainActor:
         if not self.job.model.save:
             raise ValueError("TrainActor.save needs --save")
         meta = {"schedule": self.schedule.state_dict(), "extra": extra or {}}
-        with self._onloaded("params", "optim"):
+        with self._onloaded("params", "optim", "critic_params", "critic_optim"):
+            if self.critic is not None:  # first: the policy's tracker, written last, vouches for both
+                self.critic.save(self.job.model.save, rollout_id, {"extra": extra or {}})
             path = ckpt.save_checkpoint(self.job.model.save, rollout_id, self.model, self.optimizer, meta)
         return str(path)
 
@@ -352,8 +385,8 @@ class TrainActor:
     # ------------------------------------------------------------------------------------------ memory
     def offload(self) -> int:
         """Free this rank's device memory for colocated engines (--colocate): parameter shards, optimizer
-        state and reference shards move to host memory (pinned on GPU); gradients are dropped (every
-        optimizer step starts from zero). Returns the bytes moved; a no-op when already offloaded.
+        state, reference shards and (ppo) the critic's shards and optimizer state move to host memory
+        (pinned on GPU); gradients are dropped (every optimizer step starts from zero). Returns the bytes moved; a no-op when already offloaded.
         Not collective. `train()` needs `onload()` first; save/export/weight sync work either way."""
         if self.is_offloaded:
             return 0
@@ -364,6 +397,11 @@ class TrainActor:
         moved += self._host["optim"].offload([v for st in states for v in st.values() if torch.is_tensor(v)])
         if self.ref_bank is not None:
             moved += self._host["ref"].offload(self.ref_bank.shards)
+        if self.critic is not None:
+            self.critic.optimizer.zero_grad(set_to_none=True)
+            params, optim_state = self.critic.tensors()
+            moved += self._host["critic_params"].offload(params)
+            moved += self._host["critic_optim"].offload(optim_state)
         return moved
 
     def onload(self) -> None:

@@ -6,6 +6,9 @@ Layout (slime's, so tools that look for it find it):
     <save>/iter_0000003/dcp/                      model and optimizer, sharded, loadable at any world size
     <save>/iter_0000003/meta.json                 rollout_id, next_rollout_id, world size, schedule, extra state
     <save>/iter_0000003/rng_rank{r}.pt            each rank's torch (and CUDA) RNG state
+    <save>/critic/                                ppo only: the critic's checkpoints, the same layout
+                                                  (saved before the policy's, so the policy's tracker
+                                                  is written last and vouches for both)
 
 `iteration` = rollout_id + 1. Everything is tensors and plain containers: `torch.load(weights_only=True)`.
 meta.json's `extra.job` holds the job config of the run that saved it (`clawrl train` records it).
@@ -33,6 +36,12 @@ from clawrl.trainer.fsdp import reshard_all
 from clawrl.trainer.weights import architecture_mismatch
 
 TRACKER = "latest_checkpointed_iteration.txt"
+CRITIC_SUBDIR = "critic"
+
+
+def critic_root(root: str | Path) -> Path:
+    """The critic's checkpoint directory (ppo) under a --save / --load directory."""
+    return Path(root) / CRITIC_SUBDIR
 
 
 class CheckpointError(ValueError):

@@ -100,9 +100,10 @@ def compute_log_probs(model, batch, steps, rank, device, temperature) -> dict[in
     return out
 
 
-def compute_advantages(batch, my_ids, algo, log_probs, ref_log_probs, device):
+def compute_advantages(batch, my_ids, algo, log_probs, ref_log_probs, device, values=None):
     """({sample index: [R] advantages}, {sample index: [R] returns}) for this rank's samples; advantages are
-    whitened over all ranks if asked, returns never are."""
+    whitened over all ranks if asked, returns never are. `values` ({sample index: [R]}) are the critic's
+    (ppo's GAE)."""
     if not my_ids:
         return {}, {}
     lengths = [batch.response_lengths[i] for i in my_ids]
@@ -117,7 +118,7 @@ def compute_advantages(batch, my_ids, algo, log_probs, ref_log_probs, device):
         algo.advantage_estimator,
         rewards_B=torch.tensor([batch.rewards[i] for i in my_ids], dtype=torch.float32, device=device),
         response_lengths=lengths, loss_mask_N=mask, kl_N=kl, kl_coef=algo.kl_coef, gamma=algo.gamma,
-        lambd=algo.lambd,
+        lambd=algo.lambd, values_N=None if values is None else torch.cat([values[i] for i in my_ids]),
     )  # fmt: skip
     if algo.normalize_advantages:
         advantages = whiten_advantages(advantages, mask, sum_fn=all_reduce_sum)

@@ -81,7 +81,10 @@ def test_defaults_are_slimes():
     assert (job.algo.advantage_estimator, job.algo.eps_clip, job.algo.kl_loss_type) == ("grpo", 0.2, "k1")
     assert (job.algo.tis_clip, job.algo.tis_clip_low, job.algo.gamma, job.algo.lambd) == (2.0, 0.0, 1.0, 1.0)
     assert job.algo.rewards_normalization and job.algo.grpo_std_normalization
-    assert (job.resources.actor_num_nodes, job.resources.actor_num_gpus_per_node) == (1, 8)
+    assert (job.resources.actor_num_nodes, job.resources.actor_num_gpus_per_node) == (
+        1,
+        None,
+    )  # the machine's
     assert job.resources.rollout_num_gpus_per_engine == 1
 
 
@@ -351,10 +354,10 @@ def test_remote_rm_custom_loss_and_lr_rules():
     )
 
 
-def test_kl_coef_without_effect_is_warned(caplog):
-    with caplog.at_level(logging.WARNING, logger="clawrl.config"):
-        parse("--hf-checkpoint", "m", "--kl-coef", "0.1")  # grpo folds no KL into rewards
-    assert "--kl-coef 0.1 has no effect with --advantage-estimator grpo" in caplog.text
+def test_kl_coef_without_effect_is_an_error():
+    # grpo folds no KL into rewards, and the advantage code refuses a --kl-coef it would ignore
+    message = error_of("--hf-checkpoint", "m", "--kl-coef", "0.1")
+    assert message.startswith("--kl-coef 0.1 has no effect with --advantage-estimator grpo")
 
 
 def test_run_name_and_output_dir_defaults():
