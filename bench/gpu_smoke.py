@@ -8,6 +8,7 @@ between samples (a random model never answers arithmetic), so every step really 
 
     PYTHONPATH=. python bench/gpu_smoke.py --out $OUT/smoke            # H200
     .venv/bin/python bench/gpu_smoke.py --shape tiny --no-colocate --out /tmp/smoke   # CPU check of the script
+    PYTHONPATH=. python bench/gpu_smoke.py --out $OUT/ppo -- --advantage-estimator ppo   # any extra train flags
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def main() -> int:
     p.add_argument("--fault-tolerance", action="store_true",
                    help="--use-fault-tolerance: --ci-test then kills engine 0 at rollout 2; the run must replace "
                    "it, resync and finish (needs --num-rollout >= 3)")  # fmt: skip
+    p.add_argument(
+        "extra", nargs="*", help="more `clawrl train` flags, after `--` (e.g. -- --advantage-estimator ppo)"
+    )
     a = p.parse_args()
     import torch
 
@@ -70,6 +74,7 @@ def main() -> int:
     ]  # fmt: skip
     if not a.no_colocate:
         flags.append("--colocate")
+    flags += a.extra
     if a.fault_tolerance:
         flags += ["--use-fault-tolerance", "--rollout-health-check-interval", "5",
                   "--rollout-health-check-timeout", "10"]  # fmt: skip
