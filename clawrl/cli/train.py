@@ -52,12 +52,15 @@ def run(args: argparse.Namespace, prog: str) -> int:
 
     try:
         with _held_log_lines():  # what validate derived is printed only when the flags are valid
-            job = validate(job_from_namespace(args))
+            job = job_from_namespace(args)
+            _resolve_resources(job, can_colocate=not prog.endswith("train-async"))
+            job = validate(job)
             if prog.endswith("train-async") and job.resources.colocate:
                 raise ConfigError(
                     "--colocate: clawrl train-async needs separate trainer and engine GPUs; drop --colocate"
                 )
             preflight(job)  # model, datasets, plugins, dumps, output dir: before Ray starts
+            _warn_unbounded_response(job)
         if prog.endswith("train-async"):
             from clawrl.loops.async_ import train_async
 
@@ -66,6 +69,7 @@ def run(args: argparse.Namespace, prog: str) -> int:
             from clawrl.loops.sync import train
 
             train(job)
+        print(outputs_summary(job), flush=True)
     except (ConfigError, PlacementError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -78,6 +82,73 @@ def run(args: argparse.Namespace, prog: str) -> int:
         print(f"{prog}: check failed: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def outputs_summary(job) -> str:
+    """The block printed at the end of a run: where its metrics, report, checkpoints and HF export are."""
+    import os
+
+    out, model = job.logging.output_dir, job.model
+    rows = [
+        ("metrics", f"{os.path.join(out, 'metrics.jsonl')} (config.json beside it)"),
+        ("report", f"clawrl report {out}   -> {os.path.join(out, 'report', 'index.html')}"),
+        ("checkpoints", f"{model.save} (--save; resume with --load {model.save})" if model.save else
+         "none (--save DIR to keep them)"),
+        ("HF export", f"{model.save_hf} (--save-hf)" if model.save_hf else "none (--save-hf DIR to write one)"),
+    ]  # fmt: skip
+    if job.logging.use_tensorboard:
+        rows.append(("tensorboard", os.path.join(out, "tensorboard")))
+    return "clawrl: run finished; outputs:\n" + "\n".join(f"  {name:<12} {where}" for name, where in rows)
+
+
+def _resolve_resources(job, *, can_colocate: bool) -> None:
+    """Fill the GPU counts not given from this machine (or the --ray-address cluster) and say so, once."""
+    from clawrl.config.resources import resolve_resource_defaults
+
+    res = job.resources
+    if not res.needs_defaults:
+        return
+    note = resolve_resource_defaults(res, _visible_gpus(res.ray_address), can_colocate=can_colocate)
+    if note:
+        logging.getLogger("clawrl").info("%s", note)
+
+
+def _visible_gpus(ray_address: str | None) -> int:
+    """GPUs the job can use: the joined cluster's (--ray-address), else this machine's visible ones (the
+    count a local Ray instance will offer)."""
+    if ray_address:
+        from clawrl.cluster.ray_cluster import cluster_gpus, start_ray
+
+        start_ray(ray_address)
+        return cluster_gpus()
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _warn_unbounded_response(job) -> None:
+    """slime leaves --rollout-max-response-len unset by default, and so does clawrl; one warning says what
+    that costs (a response may run to the context length), instead of a silently slow run."""
+    if job.rollout.rollout_max_response_len is not None or job.debug.debug_train_only:
+        return
+    logging.getLogger("clawrl").warning(
+        "--rollout-max-response-len is unset: each response runs until EOS or a stop, at worst to the "
+        "context length (%s); set it to bound generation (slime recipes use e.g. 1024-8192)",
+        _context_length(job),
+    )
+
+
+def _context_length(job) -> str:
+    if job.engine.sglang_context_length:
+        return f"--sglang-context-length {job.engine.sglang_context_length}"
+    if job.data.rollout_max_prompt_len:
+        return f"--rollout-max-prompt-len {job.data.rollout_max_prompt_len} + 1024 tokens"
+    import json
+    from pathlib import Path
+
+    path = Path(job.model.hf_checkpoint or ".") / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return f"{config.get('max_position_embeddings', '?')} tokens, the model's max_position_embeddings"
 
 
 def _stop_ray() -> None:

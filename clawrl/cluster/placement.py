@@ -75,6 +75,9 @@ def plan_placement(
             f"--rollout-num-gpus-per-engine {res.rollout_num_gpus_per_engine}: the built-in engine runs on one "
             "GPU (no tensor parallelism); use 1 and more engines"
         )
+    if res.rollout_num_gpus is None and not res.colocate:
+        # Only a job built in Python gets here unresolved: `clawrl train` fills the count from the machine.
+        raise PlacementError("--rollout-num-gpus is unset: pass it (engines' GPUs), or --colocate")
     if rollout < 1:
         raise PlacementError(
             f"--rollout-num-gpus {rollout}: at least one engine is needed to generate rollouts"

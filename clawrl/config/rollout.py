@@ -26,7 +26,7 @@ class RolloutConfig:
     n_samples_per_prompt: int = 1
     """Responses sampled per prompt (the group of GRPO-style baselines)."""
     rollout_max_response_len: int | None = None
-    """Maximum new tokens per response (SGLang's max_new_tokens)."""
+    """Maximum new tokens per response (SGLang's max_new_tokens); unset (slime's default): to the context length, warned."""
     rollout_temperature: float = 1.0
     """Sampling temperature; must be > 0 (the trainer divides logits by it too)."""
     rollout_top_p: float = 1.0

@@ -68,12 +68,16 @@ class Run:
     _trainer_lock: threading.Lock = field(default_factory=threading.Lock)
     _fault: FaultSpec | None = None
     _restarts_logged: int = 0
+    _startup: list[float] | None = None
+    """[start, last phase end] (monotonic) until the first weight sync ends the printed start-up phases."""
 
     # --------------------------------------------------------------------------------------- start
     @classmethod
     def start(cls, job: JobConfig) -> Run:
         d = job.debug
+        began = time.monotonic()
         start_ray(job.resources.ray_address)
+        logger.info("Ray ready (%.1f s)", time.monotonic() - began)
         plan = plan_placement(
             job.resources, cluster_gpus=cluster_gpus(), trainer=not d.debug_rollout_only,
             engines=not d.debug_train_only,
@@ -83,9 +87,11 @@ class Run:
         threads = 1 if plan.mode == "cpu" else None  # 2-core CPU runs: one thread per process
         if d.dump_details:
             _save_tokenizer(job.model.hf_checkpoint, d.dump_details)
-        run = cls(job, plan)
+        run = cls(job, plan, _startup=[began, time.monotonic()])
         try:
             run._start_rollout_side(group, threads)
+            if run.pool is not None:
+                run._phase(f"{plan.num_engines} engine(s) ready")
             if not d.debug_rollout_only:
                 run.trainer = TrainGroup(job, plan, group, num_threads=threads)
             run.metrics = _metric_logger(job)
@@ -166,7 +172,15 @@ class Run:
             if self.manager is not None:
                 self._wait([self.manager.load_state_dict.remote(extra.get("rollout", {}))], "data cursor", 60)
         self.engine_version = self.trainer_version = start
+        self._phase(f"trainer ready: {self.plan.num_trainer_ranks} rank(s), model and optimizer built")
         return start
+
+    def _phase(self, what: str) -> None:
+        """Print a start-up phase as it ends, with its seconds (until the first weight sync)."""
+        if self._startup is not None:
+            now = time.monotonic()
+            logger.info("%s (%.1f s)", what, now - self._startup[1])
+            self._startup[1] = now
 
     def generate(self, rollout_id: int):
         """Rollout `rollout_id`: (TrainBatch, metrics)."""
@@ -308,6 +322,10 @@ class Run:
             resume_s += timed(self._engines_call, "resume_memory_occupation", list(GENERATION_MEMORY_TAGS))[1]
             metrics["perf/engine_resume_time"] = resume_s
         self.engine_version = version
+        if self._startup is not None:
+            self._phase("weights synced to the engines")
+            logger.info("start-up done in %.1f s", time.monotonic() - self._startup[0])
+            self._startup = None
         return metrics
 
     def _released(self) -> bool:
@@ -370,7 +388,7 @@ class Run:
         from clawrl.metrics.progress import format_progress
 
         flat = self.metrics.log(rollout_id, metrics)
-        line = format_progress(rollout_id, self.num_rollout, flat)
+        line = format_progress(rollout_id, self.num_rollout, flat, on_gpu=self.plan.mode != "cpu")
         if rollout_id >= self.num_rollout:  # the final eval row
             line = line.replace(f"[rollout {rollout_id + 1}/{self.num_rollout}]", "[final weights]")
         print(line, flush=True)

@@ -11,7 +11,8 @@ rollout id 2 of 20). Each part appears only when its metrics were logged, always
   kl       train/kl_loss as "kl", train/ppo_kl as "ppo_kl" (means over the optimizer steps)
   resp     rollout/response_len/mean
   times    perf/rollout_time, perf/train_time, perf/update_weights_time ("sync"), perf/eval_time
-  speed    perf/tokens_per_gpu_per_sec (generation throughput per GPU)
+  speed    perf/tokens_per_gpu_per_sec (slime's key): generation throughput per GPU, labelled "tok/s/gpu";
+           on a CPU run the same key counts per engine process and is labelled "tok/s/engine"
 """
 
 from __future__ import annotations
@@ -40,15 +41,16 @@ def eval_names(keys) -> list[str]:
     return sorted(names)
 
 
-def format_progress(step: int, num_steps: int, metrics: Mapping[str, float]) -> str:
-    """The summary line of rollout `step` (0-based) of `num_steps`; see the module docstring."""
+def format_progress(step: int, num_steps: int, metrics: Mapping[str, float], *, on_gpu: bool = True) -> str:
+    """The summary line of rollout `step` (0-based) of `num_steps`; `on_gpu=False` (engines on CPU) labels
+    the throughput per engine; see the module docstring."""
     parts = [
         _reward(metrics),
         _evals(metrics),
         _kl(metrics),
         _response_length(metrics),
         _times(metrics),
-        _throughput(metrics),
+        _throughput(metrics, on_gpu),
     ]
     body = " | ".join(part for part in parts if part)
     header = f"[rollout {step + 1}/{num_steps}]"
@@ -56,10 +58,15 @@ def format_progress(step: int, num_steps: int, metrics: Mapping[str, float]) -> 
 
 
 def print_progress(
-    step: int, num_steps: int, metrics: Mapping[str, float], file: TextIO | None = None
+    step: int,
+    num_steps: int,
+    metrics: Mapping[str, float],
+    file: TextIO | None = None,
+    *,
+    on_gpu: bool = True,
 ) -> str:
     """Print format_progress's line (flushed, to stdout by default) and return it."""
-    line = format_progress(step, num_steps, metrics)
+    line = format_progress(step, num_steps, metrics, on_gpu=on_gpu)
     print(line, file=file or sys.stdout, flush=True)
     return line
 
@@ -90,9 +97,10 @@ def _times(metrics: Mapping[str, float]) -> str:
     return " ".join(f"{label} {metrics[key]:.1f}s" for key, label in _TIME_PARTS if key in metrics)
 
 
-def _throughput(metrics: Mapping[str, float]) -> str:
+def _throughput(metrics: Mapping[str, float], on_gpu: bool) -> str:
     value = metrics.get("perf/tokens_per_gpu_per_sec")
-    return "" if value is None else f"{_human(value)} tok/s/gpu"
+    # The key keeps slime's name; the label says what was counted, so a CPU run does not claim GPUs.
+    return "" if value is None else f"{_human(value)} tok/s/{'gpu' if on_gpu else 'engine'}"
 
 
 def _human(value: float) -> str:

@@ -16,6 +16,7 @@ Rollout (one dict per `RolloutManager.generate`):
                                           (clawrl/rollout/multi_turn.py: multi_turn_metrics)
     perf/rollout_time                     seconds for the whole rollout
     perf/tokens_per_gpu_per_sec           response tokens of the batch / rollout time / rollout devices
+                                          (GPUs; on CPU, engine processes: "tok/s/engine" on the console)
     perf/longest_sample_tokens_per_sec    longest response / rollout time
 Evaluation (per dataset <name>):
     eval/<name>                           mean reward
