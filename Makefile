@@ -23,7 +23,7 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check clawrl tests bench
