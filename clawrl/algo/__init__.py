@@ -19,7 +19,7 @@ from clawrl.algo.advantages import (
 from clawrl.algo.aggregation import LOSS_AGGREGATIONS, aggregate_loss, masked_mean
 from clawrl.algo.entropy import entropy_from_logits, log_probs_and_entropy
 from clawrl.algo.kl import KL_ESTIMATORS, kl_estimate
-from clawrl.algo.policy_loss import gspo_policy_loss, ppo_policy_loss, value_loss
+from clawrl.algo.policy_loss import gspo_policy_loss, ppo_policy_loss
 from clawrl.algo.sft import sft_loss
 from clawrl.algo.tis import (
     TIS_LEVELS,
@@ -49,6 +49,5 @@ __all__ = [
     "ppo_policy_loss",
     "rejection_sampling_mask",
     "sft_loss",
-    "value_loss",
     "whiten_advantages",
 ]

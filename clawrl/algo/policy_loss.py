@@ -88,25 +88,3 @@ def gspo_policy_loss(
     seq_kl_B = segment_sum(token_kl_N, lengths_B) / segment_sum(mask_N, lengths_B).clamp(min=1.0)
     ppo_kl_N = broadcast_to_tokens(seq_kl_B, lengths_B, log_probs_N.numel())
     return _clipped_surrogate(ppo_kl_N, advantages_N.detach(), eps_clip, eps_clip_high, eps_clip_c)
-
-
-def value_loss(
-    values_N: Tensor,
-    old_values_N: Tensor,
-    returns_N: Tensor,
-    *,
-    value_clip: float,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO critic loss max((V_clip - R)^2, (V - R)^2), V_clip = V_old + clamp(V - V_old, +-value_clip).
-
-    No 1/2 factor (as slime). Returns (loss_N, {"value_clipfrac": float 0/1 [N]}).
-    """
-    if value_clip < 0:
-        raise ValueError(f"--value-clip must be >= 0, got {value_clip}")
-    old_values_N = old_values_N.detach()
-    returns_N = returns_N.detach()
-    clipped_values_N = old_values_N + (values_N - old_values_N).clamp(-value_clip, value_clip)
-    unclipped_loss_N = (values_N - returns_N).square()
-    clipped_loss_N = (clipped_values_N - returns_N).square()
-    loss_N = torch.maximum(unclipped_loss_N, clipped_loss_N)
-    return loss_N, {"value_clipfrac": (clipped_loss_N > unclipped_loss_N).to(loss_N.dtype)}

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from clawrl.algo import gspo_policy_loss, ppo_policy_loss, value_loss
+from clawrl.algo import gspo_policy_loss, ppo_policy_loss
+from clawrl.algo.value_loss import clipped_value_loss
 
 ATOL = 1e-5
 LN = math.log
@@ -137,7 +138,9 @@ def test_value_loss_clip():
     # value_clip 0.2. t0: V=1, V_old=0.5, R=2: V_clip = 0.7, max((0.7-2)^2, (1-2)^2) = max(1.69, 1) = 1.69, clipped.
     # t1: V=0, V_old=0, R=0.3: both 0.09, not clipped.
     values = torch.tensor([1.0, 0.0], requires_grad=True)
-    loss, metrics = value_loss(values, torch.tensor([0.5, 0.0]), torch.tensor([2.0, 0.3]), value_clip=0.2)
+    loss, metrics = clipped_value_loss(
+        values, torch.tensor([0.5, 0.0]), torch.tensor([2.0, 0.3]), value_clip=0.2
+    )
     close(loss, [1.69, 0.09])
     close(metrics["value_clipfrac"], [1.0, 0.0])
     loss.sum().backward()

@@ -108,8 +108,6 @@ RULES = [
           ["--eps-clip-high", "-0.2"], ["--eps-clip-high", "got -0.2"]),
     _rule(POLICY, "_clipped_surrogate", "--eps-clip-c must be > 1", ["--eps-clip-c", "1.0"],
           ["--eps-clip-c", "got 1.0"]),
-    _rule(POLICY, "value_loss", "--value-clip must be >= 0", ["--value-clip", "-0.1"],
-          ["--value-clip", "got -0.1"]),
     _rule("clawrl/algo/value_loss.py", "clipped_value_loss", "--value-clip must be > 0", ["--value-clip", "0"],
           ["--value-clip", "got 0.0"]),
     _rule(TIS, "mismatch_log_ratio", "TIS/RS level", [*MIS, "--tis-level", "segment"],
