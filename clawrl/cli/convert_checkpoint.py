@@ -9,6 +9,9 @@ or --dtype, sharded above --max-shard-size), bit for bit: the same trainer weigh
 on CPU in this process: no Ray, no process group. The source model directory (config and tokenizer) is the
 --hf-checkpoint the checkpoint's run recorded in its meta.json, or this command's --hf-checkpoint.
 
+A LoRA checkpoint (--lora-rank) holds only the adapters: they are merged into SOURCE's weights for OUT,
+and written as a PEFT adapter directory to OUT/adapter/.
+
 Exit codes: 0 written; 2 a missing directory, not a clawrl checkpoint, no source model, or an architecture
 that cannot be exported (one line on stderr naming the path or flag).
 """
@@ -78,9 +81,16 @@ def convert(args: argparse.Namespace) -> str:
     state, meta = read_model_state(path)
     source = source_model_dir(meta, args.hf_checkpoint, path)
     dtype = parse_dtype(args.dtype) if args.dtype else source_dtype(source)
+    adapter = lora = None
+    if "lora" in meta:  # the checkpoint holds adapters only: merge them into SOURCE's weights
+        from clawrl.trainer.lora_state import merged_checkpoint_state
+
+        adapter = state
+        state, lora = merged_checkpoint_state(adapter, meta, source)
     out = export_hf_dir(
-        state, args.to_hf, source_dir=source, dtype=dtype, max_shard_bytes=args.max_shard_size
-    )
+        state, args.to_hf, source_dir=source, dtype=dtype, max_shard_bytes=args.max_shard_size,
+        adapter=adapter, lora=lora,
+    )  # fmt: skip
     num_files = len(list(out.glob("*.safetensors")))
     after = f" (after rollout {meta['rollout_id']})" if "rollout_id" in meta else ""
     return (

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace, prog: str) -> int:
     from clawrl.cli.preflight import preflight
     from clawrl.cluster.deadline import ActorFailure, DeadlineError
     from clawrl.cluster.placement import PlacementError
+    from clawrl.config.validate import check_loop_flags
     from clawrl.metrics.checks import MetricCheckError
 
     try:
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace, prog: str) -> int:
             job = job_from_namespace(args)
             _resolve_resources(job, can_colocate=not prog.endswith("train-async"))
             job = validate(job)
+            check_loop_flags(job, asynchronous=prog.endswith("train-async"))
             if prog.endswith("train-async") and job.resources.colocate:
                 raise ConfigError(
                     "--colocate: clawrl train-async needs separate trainer and engine GPUs; drop --colocate"

@@ -41,6 +41,14 @@ class RolloutConfig:
     """Seed for prompt shuffling and rollout sampling."""
     over_sampling_batch_size: int | None = None
     """Prompts per sampling round while dynamic sampling refills dropped groups; >= and default --rollout-batch-size."""
+    partial_rollout: bool = False
+    """Keep the partial responses of over-sampled requests aborted when the batch is full; the next rollout resumes them."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """With --partial-rollout: the tokens a resumed sample got in earlier rollouts are not trained on (loss mask 0)."""
+    update_weights_interval: int = 1
+    """clawrl train-async: push the trainer's weights to the engines every N rollouts (samples get up to N versions stale)."""
+    max_weight_staleness: int | None = None
+    """With --partial-rollout: drop resumed samples whose oldest tokens are > K weight versions behind the trainer (unset: keep all)."""
     dynamic_sampling_filter_path: str | None = option(metavar="MODULE.FN")
     """Keep-or-drop filter per prompt group (DAPO): fn(args, samples, **kw) -> bool | DynamicFilterOutput."""
     rm_type: str | None = None
@@ -68,6 +76,8 @@ class RolloutConfig:
         for name in ("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len"):
             at_least(self, name, 1)
         at_least(self, "over_sampling_batch_size", 1)
+        at_least(self, "update_weights_interval", 1)
+        at_least(self, "max_weight_staleness", 0)
         above(self, "rollout_temperature", 0)
         in_range(self, "rollout_top_p", 0, 1, open_low=True)
         top_k_valid(self, "rollout_top_k")

@@ -1,7 +1,8 @@
 """Training flags: batch sizes, micro-batching, optimizer, learning-rate schedule, loss type.
 
 Defaults follow slime's FSDP backend (AdamW betas 0.9/0.95, no weight decay, constant learning rate) with
-slime's own overrides (lr 1e-6, clip-grad 1.0, seed 1234, micro-batch 1).
+slime's own overrides (lr 1e-6, clip-grad 1.0, seed 1234, micro-batch 1). LoRA (--lora-rank > 0) keeps
+slime's FSDP defaults too: alpha 16, dropout 0, every linear layer of the decoder blocks.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from clawrl.config.errors import at_least, in_range
+from clawrl.config.errors import ConfigError, above, at_least, check, in_range
 from clawrl.config.fields import check_types, option
+
+NATIVE_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a native decoder block (clawrl/models/decoder.py), --target-modules' names for it."""
 
 
 @dataclass(kw_only=True)
@@ -55,6 +59,14 @@ class TrainConfig:
     """ppo: the critic's peak learning rate; default: --lr."""
     critic_lr_warmup_iters: int = 0
     """ppo: optimizer steps of linear warm-up of the critic's learning rate from 0."""
+    lora_rank: int = 0
+    """LoRA rank of the policy's adapters (0: train every weight); the base weights stay frozen."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: an adapter's output is multiplied by --lora-alpha / --lora-rank."""
+    target_modules: str = option("all-linear", metavar="NAMES")
+    """Comma list of the linear layers to adapt (e.g. q_proj,v_proj,gate_proj), or all-linear."""
+    lora_dropout: float = 0.0
+    """Dropout probability on each LoRA adapter's input in the training pass (not the log-prob passes)."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -65,3 +77,20 @@ class TrainConfig:
             at_least(self, name, 0)
         in_range(self, "adam_beta1", 0, 1)
         in_range(self, "adam_beta2", 0, 1)
+        at_least(self, "lora_rank", 0)
+        above(self, "lora_alpha", 0)
+        check(self, "lora_dropout", lambda v: 0 <= v < 1, "must be in [0, 1)")
+        parse_target_modules(self.target_modules)
+
+
+def parse_target_modules(text: str) -> tuple[str, ...]:
+    """--target-modules 'q_proj, v_proj' -> ('q_proj', 'v_proj'); a ConfigError when an entry is empty or
+    when 'all-linear' is mixed with names."""
+    names = tuple(part.strip() for part in text.split(","))
+    if any(not name for name in names):
+        raise ConfigError(f"--target-modules must be a comma-separated list of module names, got {text!r}")
+    if "all-linear" in names and len(names) > 1:
+        raise ConfigError(
+            f"--target-modules {text!r}: 'all-linear' stands alone (it means every linear layer)"
+        )
+    return names

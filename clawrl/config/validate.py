@@ -7,7 +7,8 @@ values. The rules (slime's batch-size relations and its argument validation, for
 - eval: --eval-interval needs --eval-prompt-data; unset eval sampling values take the rollout's.
 - model: --ref-load defaults to --hf-checkpoint (the reference is the initial policy); the KL terms
   (--use-kl-loss, --kl-coef != 0) need one of them; an explicit, different --ref-load must exist;
-  --save-interval needs --save.
+  --save-interval needs --save; with --lora-rank and the native decoder, --target-modules names its
+  linear layers.
 - algorithm: --eps-clip-high defaults to --eps-clip; --kl-coef and --kl-loss-coef not both non-zero;
   reinforce_plus_plus[_baseline] need --normalize-advantages; --tis-clip-low <= --tis-clip; --kl-coef only
   with an estimator that folds it into the reward (ppo, reinforce_plus_plus[_baseline]: slime ignores it
@@ -25,6 +26,14 @@ values. The rules (slime's batch-size relations and its argument validation, for
   --over-sampling-batch-size defaults to and is >= --rollout-batch-size; --use-dynamic-batch-size needs
   --max-tokens-per-gpu; --n-samples-per-prompt 1 turns off std normalisation.
 - run length: --num-rollout or --num-epoch; --num-epoch needs --prompt-data.
+- partial rollouts: --partial-rollout needs requests left over to keep (--over-sampling-batch-size >
+  --rollout-batch-size, or a --dynamic-sampling-filter-path whose drops cause refills), clawrl's default
+  rollout (not --rollout-function-path) and a generate function that can continue a partial response (not
+  the multi-turn one); --mask-offpolicy-in-partial-rollout and --max-weight-staleness need it.
+  `check_loop_flags(job, asynchronous=...)`, called by `clawrl train[-async]` after validate: only
+  train-async takes --update-weights-interval != 1; --max-weight-staleness K >= --update-weights-interval
+  (fresh train-async samples are that stale) and >= 2 in train-async / 1 in train (a sample resumed one
+  rollout later is one version staler than it was fresh, so a smaller K would drop nearly every partial).
 - resources: --offload sets both offloads; --colocate defaults both to on and --rollout-num-gpus to the
   trainer's GPUs; unset offloads become False; --rollout-num-gpus-per-engine divides --rollout-num-gpus.
 - rewards and losses: --rm-type remote_rm needs --rm-url; --loss-type custom_loss needs its function path;
@@ -50,6 +59,7 @@ from clawrl.config.algo import AlgoConfig
 from clawrl.config.errors import ConfigError, flag_of
 from clawrl.config.job import JobConfig
 from clawrl.config.templates import check_template
+from clawrl.config.train import NATIVE_LINEAR_MODULES, parse_target_modules
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +77,7 @@ def validate(job: JobConfig) -> JobConfig:
         _mismatch,
         _critic,
         _batch_sizes,
+        _partial_rollout,
         _run_length,
         _debug,
         _resources,
@@ -101,6 +112,12 @@ def _model_paths(job: JobConfig) -> None:
     if job.model.save_interval is not None and job.model.save is None and job.model.save_hf is None:
         raise ConfigError(
             f"--save-interval {job.model.save_interval} requires --save DIR or --save-hf TEMPLATE"
+        )
+    targets = set(parse_target_modules(job.train.target_modules)) - {"all-linear", *NATIVE_LINEAR_MODULES}
+    if job.train.lora_rank and m.model_impl == "native" and targets:  # other models' names: at build time
+        raise ConfigError(
+            f"--target-modules {job.train.target_modules!r}: {sorted(targets)} name no linear layer of the "
+            f"native decoder; its linear layers are {', '.join(NATIVE_LINEAR_MODULES)} (or all-linear)"
         )
 
 
@@ -396,6 +413,65 @@ def _rollout_only_resources(job: JobConfig) -> None:
         logger.info("--debug-rollout-only: --offload-train and --offload-rollout turned off")
     res.offload = False
     res.offload_train = res.offload_rollout = False
+
+
+def _partial_rollout(job: JobConfig) -> None:
+    from clawrl.config.rollout import MULTI_TURN_GENERATE_PATHS
+
+    r = job.rollout
+    for name in ("mask_offpolicy_in_partial_rollout", "max_weight_staleness"):
+        value = getattr(r, name)
+        if value not in (None, False) and not r.partial_rollout:
+            shown = "" if value is True else f" {value}"
+            raise ConfigError(
+                f"{flag_of(name)}{shown} only acts on resumed partial samples: add --partial-rollout"
+            )
+    if not r.partial_rollout:
+        return
+    if r.rollout_function_path is not None:
+        raise ConfigError(
+            f"--partial-rollout acts on clawrl's default rollout; --rollout-function-path "
+            f"{r.rollout_function_path} replaces it (a custom rollout keeps partial groups itself through "
+            "data_source.add_samples)"
+        )
+    if r.custom_generate_function_path in MULTI_TURN_GENERATE_PATHS:
+        raise ConfigError(
+            f"--partial-rollout with --custom-generate-function-path {r.custom_generate_function_path}: "
+            "multi-turn tool episodes cannot be continued from a partial response"
+        )
+    if r.over_sampling_batch_size == r.rollout_batch_size and r.dynamic_sampling_filter_path is None:
+        raise ConfigError(
+            f"--partial-rollout keeps over-sampled requests aborted when the batch is full, but with "
+            f"--over-sampling-batch-size {r.over_sampling_batch_size} = --rollout-batch-size "
+            f"{r.rollout_batch_size} and no --dynamic-sampling-filter-path no request is ever left over: "
+            "raise --over-sampling-batch-size"
+        )
+
+
+def check_loop_flags(job: JobConfig, *, asynchronous: bool) -> None:
+    """The rules that depend on the loop (`clawrl train` or `clawrl train-async`); after `validate`."""
+    r = job.rollout
+    interval = r.update_weights_interval
+    if interval != 1 and not asynchronous:
+        raise ConfigError(
+            f"--update-weights-interval {interval} is for clawrl train-async; clawrl train updates the "
+            "engines after every rollout"
+        )
+    if r.max_weight_staleness is None:
+        return
+    least = max(interval, 2) if asynchronous else 1
+    if r.max_weight_staleness < least:
+        why = (
+            f"fresh samples are up to --update-weights-interval {interval} versions stale and a sample "
+            "resumed one rollout later is 1 more, so a smaller K would fail fresh samples or drop nearly "
+            "every partial one"
+            if asynchronous
+            else "a sample resumed in the next rollout is 1 version stale, so K = 0 would drop every partial one"
+        )
+        raise ConfigError(
+            f"--max-weight-staleness {r.max_weight_staleness} must be >= {least} with clawrl "
+            f"{'train-async' if asynchronous else 'train'}: {why}"
+        )
 
 
 def _output(job: JobConfig) -> None:

@@ -57,7 +57,10 @@ class Sample:
     teacher_log_probs: list[float] | None = None
     """Per response token: log-prob under a teacher (on-policy distillation)."""
     weight_versions: list[str] = field(default_factory=list)
-    """Engine weight version of each generate call that extended this sample (one entry per call)."""
+    """Weight versions that generated the response, in order: one per generate call (so one per segment of a
+    resumed partial rollout, e.g. ["3", "4"]), one more per weight change within a call, none for a call
+    aborted before its first token. Written to rollout dumps; rollout/weight_version{,_max} and
+    rollout/weight_staleness/* are computed from it."""
     status: Status = Status.PENDING
     """pending / completed / truncated / aborted / failed."""
     remove_sample: bool = False

@@ -13,7 +13,9 @@ config.json (the source's, with the dtype updated) and every non-weight file of 
 dtype (or the one asked for), a tied LM head stored or left out as the source stores it, and the directory
 built under `OUT.tmp-*` and renamed into place, so a crash never leaves a half-written export at OUT.
 Architectures clawrl/models implements are written by clawrl; others (trained with `--model-impl hf`) by
-transformers' own `save_pretrained`, which knows their on-disk names.
+transformers' own `save_pretrained`, which knows their on-disk names. A LoRA policy's export is its merged
+model plus, in `OUT/adapter/`, the adapters as a PEFT directory (adapter_config.json,
+adapter_model.safetensors) for `PeftModel.from_pretrained(base, OUT/adapter)`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from clawrl.models.loader import (
     load_weights,
     safetensors_weight_map,
 )
+from clawrl.models.lora import LoraSpec, write_peft_adapter
+
+ADAPTER_SUBDIR = "adapter"
+"""Where a LoRA export's PEFT adapter directory goes inside the (merged) HF export."""
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 """Shard size above which save_hf splits the weights (transformers' historical "5GB")."""
@@ -201,9 +207,16 @@ def export_hf_dir(
     source_dir: str | Path,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    adapter: Mapping[str, torch.Tensor] | None = None,
+    lora: LoraSpec | None = None,
 ) -> Path:
     """Write the HF-named full tensors `state` as a HF directory of `source_dir`'s architecture at
     `out_dir` (in `dtype`, default the source's), replacing an earlier export there. Returns `out_dir`.
+
+    A LoRA model passes its merged weights as `state` and its adapters (trainer names, with their `lora`
+    spec): they go, in the same dtype, to `OUT/adapter/` as a PEFT adapter directory whose base model is
+    `source_dir` -- a subdirectory, because transformers would try to apply an adapter_config.json
+    found beside config.json on top of the (already merged) weights.
 
     The directory is complete before it appears: it is built as a sibling `OUT.tmp-*` and renamed.
     """
@@ -222,6 +235,10 @@ def export_hf_dir(
         else:
             _save_with_transformers(state, staging, source, dtype, max_shard_bytes)
         _copy_non_weight_files(source, staging)
+        if adapter is not None:
+            assert lora is not None, "an adapter export needs its LoraSpec"
+            tensors = {name: t.to(dtype) for name, t in adapter.items()}
+            write_peft_adapter(tensors, staging / ADAPTER_SUBDIR, spec=lora, base_model=str(source.resolve()))
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

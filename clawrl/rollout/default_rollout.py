@@ -13,6 +13,12 @@ The training loop follows slime's `generate_rollout_async`:
 A group with an ABORTED sample that was not aborted by us (e.g. an engine aborted it for a weight update)
 cannot be trained on: it is dropped with reason "aborted" and replaced.
 
+With `keep_partial` (--partial-rollout) nothing generated is thrown away: the groups that come back from
+the abort (finished or half-generated), finished groups beyond the batch, and engine-aborted groups are
+returned as `CollectedGroups.leftovers`, which the manager puts back into the data source
+(clawrl/rollout/partial.py). A sample that is already COMPLETED or TRUNCATED when it is handed to
+`GroupGenerator.sample` (a finished member of such a group) is returned as it is, as slime does.
+
 Evaluation (`generate_eval_samples`) runs every prompt of a dataset `--n-samples-per-eval-prompt` times,
 with the per-copy seed `--rollout-seed + j` as slime uses, and no filter.
 """
@@ -54,7 +60,10 @@ class GroupGenerator:
     async def sample(self, sample: Sample, sampling_params: dict[str, Any], evaluation: bool) -> list[Sample]:
         """Generate (one Sample, or several from a fan-out generate function), then reward what needs it."""
         gen = self.generate_fns.for_sample(sample)
-        samples = await gen(self.args, sample, sampling_params, evaluation)
+        if sample.status in (Status.COMPLETED, Status.TRUNCATED):  # finished in an earlier rollout
+            samples = [sample]
+        else:
+            samples = await gen(self.args, sample, sampling_params, evaluation)
         # As slime: aborted samples get no reward; a reward set during generation (agents) is kept.
         todo = [s for s in samples if s.status != Status.ABORTED and s.reward is None]
         if not todo:
@@ -93,6 +102,8 @@ class CollectedGroups:
     """Groups taken from the data source."""
     num_aborted_samples: int = 0
     """Leftover samples that came back aborted."""
+    leftovers: list[list[Sample]] = field(default_factory=list)
+    """With keep_partial: groups generated (wholly or in part) but not in the batch, to resume later."""
 
 
 async def collect_train_groups(
@@ -104,6 +115,7 @@ async def collect_train_groups(
     judge: Callable[[list[Sample]], DynamicFilterOutput],
     ctx: RolloutContext,
     abort_timeout_s: float,
+    keep_partial: bool = False,
 ) -> CollectedGroups:
     """slime's over-sampling loop (module docstring); leftovers are aborted before returning or raising."""
     out = CollectedGroups(groups=[])
@@ -126,18 +138,31 @@ async def collect_train_groups(
             # on set iteration order.
             for task in sorted(done, key=submitted.__getitem__):
                 group = task.result()
+                if keep_partial and any(s.status == Status.ABORTED for s in group):
+                    out.leftovers.append(group)  # aborted by an engine: resumed in a later rollout
+                    num_open -= 1
+                    continue
                 verdict = _judge(group, judge)
                 if not verdict.keep:
                     out.drops[verdict.reason or "unspecified"] += 1
                     num_open -= 1
                 elif len(out.groups) < target:
                     out.groups.append(group)
+                elif keep_partial:
+                    out.leftovers.append(group)
     finally:
-        out.num_aborted_samples = await abort_and_drain(pending, ctx, abort_timeout_s)
+        drained = await abort_and_drain(pending, ctx, abort_timeout_s)
+        out.num_aborted_samples = sum(s.status == Status.ABORTED for group in drained for s in group)
+        if keep_partial:  # in prompt order, so the next rollout does not depend on finishing order
+            out.leftovers = sorted([*out.leftovers, *drained], key=_first_index)
         for task in submitted:  # after a failure, finished siblings' errors are superseded by the first one
             if task.done() and not task.cancelled():
                 task.exception()
     return out
+
+
+def _first_index(group: list[Sample]) -> int:
+    return -1 if not group or group[0].index is None else group[0].index
 
 
 def _judge(group: list[Sample], judge: Callable[[list[Sample]], DynamicFilterOutput]) -> DynamicFilterOutput:
@@ -146,25 +171,28 @@ def _judge(group: list[Sample], judge: Callable[[list[Sample]], DynamicFilterOut
     return judge(group)
 
 
-async def abort_and_drain(pending: set[asyncio.Task], ctx: RolloutContext, timeout_s: float) -> int:
-    """Stop the groups still in flight; returns how many of their samples came back ABORTED.
+async def abort_and_drain(
+    pending: set[asyncio.Task], ctx: RolloutContext, timeout_s: float
+) -> list[list[Sample]]:
+    """Stop the groups still in flight; returns the groups that came back (in no particular order),
+    their aborted samples holding the partial responses.
 
     Sets `ctx.aborted` (requests not yet sent are not sent), then repeats POST /abort_request abort_all on
     every engine every ABORT_POLL_S until all tasks finished (a request sent just after one abort is caught
     by the next). Raises TimeoutError if they have not finished within `timeout_s`.
     """
     if not pending:
-        return 0
+        return []
     ctx.aborted = True
     deadline = time.monotonic() + timeout_s
-    num_aborted = 0
+    drained: list[list[Sample]] = []
     while pending:
         try:
             await ctx.router.abort_all()
         except EngineRouterError as error:  # a dead engine's requests fail on their own
             logger.warning("abort of leftover requests: %s", error)
         done, pending = await asyncio.wait(pending, timeout=ABORT_POLL_S)
-        num_aborted += sum(_aborted_count(task) for task in done)
+        drained.extend(group for group in map(_drained_group, done) if group is not None)
         if pending and time.monotonic() > deadline:
             for task in pending:
                 task.cancel()
@@ -172,17 +200,17 @@ async def abort_and_drain(pending: set[asyncio.Task], ctx: RolloutContext, timeo
                 f"{len(pending)} leftover prompt group(s) did not come back within {timeout_s} s of aborting "
                 f"them on the engines {ctx.router.urls}"
             )
-    return num_aborted
+    return drained
 
 
-def _aborted_count(task: asyncio.Task) -> int:
+def _drained_group(task: asyncio.Task) -> list[Sample] | None:
     if task.cancelled():
-        return 0
+        return None
     error = task.exception()
-    if error is not None:  # the group is discarded anyway; say why it failed
+    if error is not None:  # the group is discarded; say why it failed
         logger.warning("a leftover prompt group failed while being aborted: %r", error)
-        return 0
-    return sum(s.status == Status.ABORTED for s in task.result())
+        return None
+    return task.result()
 
 
 async def generate_eval_samples(

@@ -6,7 +6,9 @@ One `/generate` call through the rollout's router: the prompt is tokenised as it
 already rendered by the dataset with --apply-chat-template; no special tokens are added), or, for a sample
 that already has tokens (a continued, multi-turn sample), those tokens are sent. The response tokens,
 their log-probs, text, weight version and finish status are appended with `Sample.append_response` /
-`Sample.apply_finish`. `max_new_tokens` is --rollout-max-response-len minus the response tokens the sample
+`Sample.apply_finish`: one weight version per call, or one per weight change when the engine's weights
+changed while the request ran (from meta_info.output_token_weight_versions), and none for a request
+aborted before its first token (it generated nothing, so no segment). `max_new_tokens` is --rollout-max-response-len minus the response tokens the sample
 already has; at 0 the sample is TRUNCATED without a request. After the rollout was aborted (enough samples
 collected) the sample comes back ABORTED without a request.
 
@@ -108,5 +110,23 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     token_ids = [int(pair[1]) for pair in pairs]
     log_probs = [float(pair[0]) for pair in pairs]
     sample.append_response(token_ids, log_probs, output.get("text", ""))
-    sample.apply_finish(meta.get("finish_reason"), meta.get("weight_version"))
+    versions = segment_versions(meta, len(token_ids))
+    sample.weight_versions.extend(versions[:-1])
+    sample.apply_finish(meta.get("finish_reason"), versions[-1] if versions else None)
     return sample
+
+
+def segment_versions(meta: dict[str, Any], num_tokens: int) -> list[str]:
+    """The weight versions one /generate response was produced by, oldest first (see module docstring)."""
+    finish = meta.get("finish_reason") or {}
+    if num_tokens == 0 and finish.get("type") == "abort":
+        return []
+    per_token = meta.get("output_token_weight_versions")
+    if not per_token:
+        version = meta.get("weight_version")
+        return [] if version is None else [str(version)]
+    runs: list[str] = []
+    for version in map(str, per_token):
+        if not runs or runs[-1] != version:
+            runs.append(version)
+    return runs

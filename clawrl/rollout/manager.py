@@ -19,7 +19,14 @@ groups must be the same size), and `TrainBatch.from_samples` builds the batch. M
 clawrl/rollout/metrics.py.
 
 Decision (as slime): prompts of groups aborted because the batch was already full stay consumed; the data
-cursor does not rewind, so with over-sampling an epoch visits fewer than all prompts for training.
+cursor does not rewind, so with over-sampling an epoch visits fewer than all prompts for training. With
+--partial-rollout those groups, with their partial responses, go back into the data source's buffer and
+the next rollout resumes them (clawrl/rollout/partial.py); the buffer is part of `state_dict`, so a
+checkpoint keeps them.
+
+Weight staleness: the loops train rollout k with the weights after k updates, so a sample's staleness is
+k minus its oldest weight version (rollout/weight_staleness/{max,mean}; not logged with
+--debug-rollout-only, where no trainer exists).
 """
 
 from __future__ import annotations
@@ -54,6 +61,14 @@ from clawrl.rollout.hooks import (
     train_output,
 )
 from clawrl.rollout.metrics import eval_metrics, rollout_metrics
+from clawrl.rollout.partial import (
+    PartialStats,
+    check_staleness,
+    partial_metrics,
+    requeue,
+    staleness_metrics,
+    take_groups,
+)
 from clawrl.rollout.rewards import build_reward_fn
 from clawrl.rollout.router import EngineRouter
 
@@ -281,6 +296,7 @@ class RolloutManager:
     async def _generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         started = time.monotonic()
         ctx = self._context()
+        partial = PartialStats()
         token = set_rollout_context(ctx)
         try:
             if self.rollout_fn is not None:
@@ -291,7 +307,7 @@ class RolloutManager:
                 drops, num_aborted = {}, 0
                 producer = f"{ROLLOUT_FLAG} {self.job.rollout.rollout_function_path!r}"
             else:
-                collected = await self._collect(ctx)
+                collected = await self._collect(ctx, rollout_id, partial)
                 groups, extra = collected.groups, {}
                 drops, num_aborted = collected.drops, collected.num_aborted_samples
                 producer = self.generator.generate_fns.default.flag
@@ -308,24 +324,52 @@ class RolloutManager:
             rollout_time_s=time.monotonic() - started,
             num_rollout_devices=self.num_rollout_devices,
         )
+        metrics.update(self._staleness(rollout_id, self.last_samples, partial))
         if self.router.fault_tolerant:
             metrics["rollout/requests_retried"] = float(self.router.num_retried - self._retried_before)
             self._retried_before = self.router.num_retried
         self._save_dump(rollout_id, self.last_samples, {"kind": "train", "metrics": dict(metrics)})
         return batch, {**metrics, **extra}
 
-    async def _collect(self, ctx: RolloutContext):
+    async def _collect(self, ctx: RolloutContext, rollout_id: int, partial: PartialStats):
         r = self.job.rollout
         params = train_sampling_params(self.args)
-        return await collect_train_groups(
+        get_groups = self.data_source.get_samples
+        if r.partial_rollout:
+
+            def get_groups(num_groups: int) -> list[list[Sample]]:
+                return take_groups(
+                    self.data_source.get_samples, num_groups, policy_version=self._policy_version(rollout_id),
+                    max_staleness=r.max_weight_staleness, mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
+                    stats=partial,
+                )  # fmt: skip
+
+        collected = await collect_train_groups(
             target=r.rollout_batch_size,
             over_sampling=self.over_sampling_batch_size,
-            get_groups=self.data_source.get_samples,
+            get_groups=get_groups,
             run_group=lambda group: self.generator.group(group, params, evaluation=False),
             judge=self._judge,
             ctx=ctx,
             abort_timeout_s=self.abort_timeout_s,
+            keep_partial=r.partial_rollout,
         )
+        if collected.leftovers:
+            requeue(collected.leftovers, rollout_id, self.data_source.add_samples, partial)
+        return collected
+
+    def _policy_version(self, rollout_id: int) -> int | None:
+        """The trainer's weight version when it trains rollout `rollout_id` (None: no trainer)."""
+        return None if self.job.debug.debug_rollout_only else rollout_id
+
+    def _staleness(self, rollout_id: int, samples: list[Sample], partial: PartialStats) -> dict[str, float]:
+        r, version = self.job.rollout, self._policy_version(rollout_id)
+        if r.max_weight_staleness is not None and version is not None:
+            check_staleness(samples, version, r.max_weight_staleness)
+        metrics = staleness_metrics(samples, version)
+        if r.partial_rollout:
+            metrics.update(partial_metrics(partial))
+        return metrics
 
     def _judge(self, group: list[Sample]) -> DynamicFilterOutput:
         if self.filter_fn is None:

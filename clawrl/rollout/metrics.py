@@ -9,6 +9,9 @@ Rollout (one dict per `RolloutManager.generate`):
     rollout/aborted_samples               leftover samples aborted on the engines after the batch was full
     rollout/weight_version{,_max}         oldest / newest engine weight version that produced the batch
                                           (numeric versions only; the loop's versions are rollout counts)
+    rollout/weight_staleness/{max,mean}   per sample: rollout id - its oldest weight version (versions the
+                                          trainer is ahead; added by the manager, clawrl/rollout/partial.py)
+    rollout/partial/{requeued_groups,resumed_samples,dropped_stale_groups}   --partial-rollout (same module)
     rollout/text/{empty_ratio,bad_char_ratio,repetition}   does the decoded text look like language?
                                           (clawrl/debug/language.py; judged by the text check in
                                           clawrl/metrics/checks.py: a warning, or a failure under --ci-test)

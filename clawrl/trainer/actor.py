@@ -11,6 +11,10 @@ With --advantage-estimator ppo each rank also holds the critic (clawrl/trainer/c
 its values, GAE advantages and returns, trains it, then the policy (not during --num-critic-only-steps);
 save/load and offload/onload include it.
 
+With --lora-rank N the policy's targeted linear layers get LoRA adapters (clawrl/models/lora.py): only
+they train and have optimizer state; weight sync, checksums and HF export see the merged weights; the
+checkpoint holds the adapters (clawrl/trainer/lora_state.py); the reference is the base (adapters off).
+
 All ranks of a job call the same methods in the same order (they run collectives).
 """
 
@@ -35,10 +39,12 @@ from clawrl.models.decoder import CausalLM
 from clawrl.models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_hf_dir, load_model, source_dtype
 from clawrl.models.layers import enable_train_kernels
 from clawrl.models.loader import iter_safetensors, load_weights
+from clawrl.models.lora import apply_lora
 from clawrl.trainer import checkpoint as ckpt
 from clawrl.trainer.critic import Critic
 from clawrl.trainer.distributed import all_reduce_sum, free_port, init_distributed
 from clawrl.trainer.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh, reshard_all
+from clawrl.trainer.lora_state import lora_meta, lora_reference, lora_spec_of
 from clawrl.trainer.loss import LossFunction
 from clawrl.trainer.offload import HostOffload
 from clawrl.trainer.optim import LRSchedule, build_adamw
@@ -53,7 +59,13 @@ from clawrl.trainer.rl_step import (
     plan_steps,
 )
 from clawrl.trainer.train_dump import TRAIN_RECORDS_KEY, TrainDataRecorder
-from clawrl.trainer.weights import WeightBank, iter_full_tensors, iter_weight_buckets, tensor_checksum
+from clawrl.trainer.weights import (
+    WeightBank,
+    iter_adapter_tensors,
+    iter_full_tensors,
+    iter_weight_buckets,
+    tensor_checksum,
+)
 
 
 class TrainActor:
@@ -72,6 +84,8 @@ class TrainActor:
                       "critic_params": HostOffload(), "critic_optim": HostOffload()}  # fmt: skip
         self.critic: Critic | None = None
         """ppo's value model, in this rank beside the policy (None for the other estimators)."""
+        self.lora = lora_spec_of(job.train)
+        """The policy's LoRA adapters (--lora-rank > 0): only they train; None trains every weight."""
 
     # ------------------------------------------------------------------------------------------ setup
     def init(self, total_optimizer_steps: int | None = None) -> int:
@@ -110,6 +124,8 @@ class TrainActor:
             model = load_model(model_cfg.hf_checkpoint, fused=False, device=self.device, dtype=torch.float32)
             if os.environ.get("CLAWRL_TRAIN_KERNELS", "1") != "0":  # fused RMSNorm/SiLU/RoPE on CUDA
                 enable_train_kernels(model)
+        if self.lora is not None:  # before FSDP: its units shard the frozen base and the adapters alike
+            apply_lora(model, self.lora)
         if model_cfg.gradient_checkpointing:
             apply_activation_checkpointing(model)
         compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -121,6 +137,8 @@ class TrainActor:
         return algo.use_kl_loss or algo.kl_coef != 0
 
     def _build_ref_bank(self) -> WeightBank:
+        if self.lora is not None:
+            return lora_reference(self.model, self.job.model)
         bank = WeightBank(self.model)  # the initial weights, i.e. --hf-checkpoint
         ref_dir = self.job.model.ref_load
         if ref_dir and Path(ref_dir).resolve() != Path(self.job.model.hf_checkpoint).resolve():
@@ -141,7 +159,10 @@ class TrainActor:
     def _maybe_load(self) -> int:
         if not self.job.model.load or ckpt.latest_iteration(self.job.model.load) is None:
             return 0
-        meta = ckpt.load_checkpoint(self.job.model.load, self.model, self.optimizer)
+        meta = ckpt.load_checkpoint(
+            self.job.model.load, self.model, self.optimizer, trainable_only=self.lora is not None,
+            check_meta=lambda saved, path: ckpt.check_lora_meta(saved.get("lora"), self.lora, path),
+        )  # fmt: skip
         self.schedule.load_state_dict(meta["schedule"])
         if self.critic is not None:
             self.critic.load(self.job.model.load, int(meta["next_rollout_id"]))
@@ -331,10 +352,13 @@ class TrainActor:
         if not self.job.model.save:
             raise ValueError("TrainActor.save needs --save")
         meta = {"schedule": self.schedule.state_dict(), "extra": extra or {}}
+        if self.lora is not None:  # the adapters only: their base model is named in meta.json
+            meta["lora"] = lora_meta(self.lora, self.job.model.hf_checkpoint)
         with self._onloaded("params", "optim", "critic_params", "critic_optim"):
             if self.critic is not None:  # first: the policy's tracker, written last, vouches for both
                 self.critic.save(self.job.model.save, rollout_id, {"extra": extra or {}})
-            path = ckpt.save_checkpoint(self.job.model.save, rollout_id, self.model, self.optimizer, meta)
+            path = ckpt.save_checkpoint(self.job.model.save, rollout_id, self.model, self.optimizer, meta,
+                                        trainable_only=self.lora is not None)  # fmt: skip
         return str(path)
 
     def export_hf(
@@ -348,17 +372,23 @@ class TrainActor:
         of --hf-checkpoint), sharded above `max_shard_bytes`, its config, tokenizer and generation files.
         Rank 0 writes (atomically: OUT.tmp-* renamed); every rank must call (the gather is collective).
         Each tensor is cast on its own device, then goes to host memory as soon as it is gathered, so no
-        device holds a second full model. Returns `out_dir`."""
+        device holds a second full model. With LoRA: the merged model, and its adapters in OUT/adapter/
+        (PEFT's format). Returns `out_dir`."""
         source = self.job.model.hf_checkpoint
         dtype = dtype or source_dtype(source)
         state: dict[str, torch.Tensor] = {}
+        adapter: dict[str, torch.Tensor] | None = {} if self.lora is not None else None
         try:
             with self._onloaded("params"):
-                for name, tensor in iter_full_tensors(self.model, dtype):
+                for name, tensor in iter_full_tensors(self.model, dtype):  # LoRA: the merged weights
                     if self.rank == 0:
                         state[name] = tensor.to("cpu")
+                for name, tensor in iter_adapter_tensors(self.model) if adapter is not None else ():
+                    if self.rank == 0:
+                        adapter[name] = tensor.to("cpu")
             if self.rank == 0:
-                export_hf_dir(state, out_dir, source_dir=source, dtype=dtype, max_shard_bytes=max_shard_bytes)
+                export_hf_dir(state, out_dir, source_dir=source, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                              adapter=adapter, lora=self.lora)  # fmt: skip
         finally:
             dist.barrier()  # also when rank 0 failed to write: no rank is left waiting in a later collective
         return out_dir

@@ -4,6 +4,8 @@ Layout (slime's, so tools that look for it find it):
 
     <save>/latest_checkpointed_iteration.txt     "3" (written last: a checkpoint without it is incomplete)
     <save>/iter_0000003/dcp/                      model and optimizer, sharded, loadable at any world size
+                                                  (LoRA: the adapters and their optimizer state only;
+                                                  meta.json's "lora" names the settings and base model)
     <save>/iter_0000003/meta.json                 rollout_id, next_rollout_id, world size, schedule, extra state
     <save>/iter_0000003/rng_rank{r}.pt            each rank's torch (and CUDA) RNG state
     <save>/critic/                                ppo only: the critic's checkpoints, the same layout
@@ -30,8 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from clawrl.models.lora import LoraSpec
 from clawrl.trainer.fsdp import reshard_all
 from clawrl.trainer.weights import architecture_mismatch
 
@@ -63,11 +66,14 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
-def save_checkpoint(root, rollout_id: int, model, optimizer, meta: dict[str, Any]) -> Path:
-    """Collective: every rank calls it. Returns the iteration directory."""
+def save_checkpoint(
+    root, rollout_id: int, model, optimizer, meta: dict[str, Any], *, trainable_only: bool = False
+) -> Path:
+    """Collective: every rank calls it. Returns the iteration directory. `trainable_only` (LoRA) saves the
+    parameters that train (the adapters) and their optimizer state, not the frozen base weights."""
     path = iteration_dir(root, rollout_id + 1)
     reshard_all(model)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
     rank = dist.get_rank()
     torch.save(_rng_state(), path / f"rng_rank{rank}.pt")
@@ -84,28 +90,75 @@ def save_checkpoint(root, rollout_id: int, model, optimizer, meta: dict[str, Any
     return path
 
 
-def load_checkpoint(root, model, optimizer) -> dict[str, Any] | None:
-    """Collective. Restores model, optimizer and RNG from the latest checkpoint; returns its meta (or None)."""
+def load_checkpoint(
+    root, model, optimizer, *, trainable_only: bool = False, check_meta=None
+) -> dict[str, Any] | None:
+    """Collective. Restores model, optimizer and RNG from the latest checkpoint; returns its meta (or None).
+    `trainable_only` (LoRA): the checkpoint holds only the trainable parameters, the rest stay as built.
+    `check_meta(meta, path)` may raise CheckpointError before anything is read (e.g. other LoRA settings)."""
     iteration = latest_iteration(root)
     if iteration is None:
         return None
     path = iteration_dir(root, iteration)
     if not (path / "meta.json").is_file():
         raise CheckpointError(f"{path}: the tracker names iteration {iteration} but meta.json is missing")
+    if check_meta is not None:
+        check_meta(json.loads((path / "meta.json").read_text()), path)
     reshard_all(model)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer, trainable_only)
     _check_fits(path / "dcp", model_sd)
     state = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path / "dcp"))
     except Exception as e:  # DCP raises a bare CheckpointException listing every rank's failure
         raise CheckpointError(f"{path / 'dcp'}: cannot load into this model: {e}") from e
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(trainable_only))  # fmt: skip
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if not rng_file.is_file():  # another world size: ranks beyond the saved ones take rank 0's stream
         rng_file = path / "rng_rank0.pt"
     _set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / "meta.json").read_text())
+
+
+def check_lora_meta(saved: dict[str, Any] | None, spec: LoraSpec | None, path: Path) -> None:
+    """CheckpointError naming `path` and the flags when the adapters of a checkpoint (meta.json's "lora")
+    are not this run's (`spec`, None without --lora-rank): a LoRA checkpoint resumed without --lora-rank,
+    a full one with it, or another rank or other target modules."""
+    if saved is None and spec is None:
+        return
+    if saved is None:
+        raise CheckpointError(
+            f"{path}: a full-model checkpoint, but this run trains LoRA adapters (--lora-rank {spec.rank}); "
+            "resume it without --lora-rank"
+        )
+    if spec is None:
+        raise CheckpointError(
+            f"{path}: holds LoRA adapters (rank {saved['rank']}) and no base weights; resume it with "
+            f"--lora-rank {saved['rank']} --target-modules {','.join(saved['target_modules'])}"
+        )
+    theirs = (int(saved["rank"]), tuple(saved["target_modules"]))
+    if theirs != (spec.rank, spec.target_modules):
+        raise CheckpointError(
+            f"{path}: its adapters have --lora-rank {theirs[0]} --target-modules {','.join(theirs[1])}, "
+            f"this run --lora-rank {spec.rank} --target-modules {','.join(spec.target_modules)}"
+        )
+
+
+def _state_dicts(model, optimizer, trainable_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
+    if trainable_only:
+        # ignore_frozen_params drops each frozen parameter under its first name only: a tied LM head
+        # (the embedding under a second name) would stay. Keep exactly the names that train.
+        names = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_sd = {n: t for n, t in model_sd.items() if n in names}
+    return model_sd, optim_sd
+
+
+def _options(trainable_only: bool) -> StateDictOptions:
+    # Loading a trainable-only state must not demand the frozen parameters: strict off for them alone
+    # (_check_fits has already compared the names and shapes of what is there).
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
 def _saved_metadata(dcp_dir: Path) -> dict[str, Any]:

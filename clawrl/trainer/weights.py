@@ -8,7 +8,7 @@ a second model object.
 
 Weight export for sync gathers one parameter at a time (`DTensor.full_tensor()`, a collective every rank
 joins in the same order) and yields buckets of at most `--update-weight-buffer-size` bytes, so a device never
-holds more than the bucket beyond its own shard.
+holds more than the bucket beyond its own shard. A LoRA policy exports merged weights under the base names.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from clawrl.models.lora import LoRALinear, is_adapter_param, lora_modules, merge_weight
 from clawrl.trainer.fsdp import reshard_all
 from clawrl.weight_sync.checksum import tensor_checksum  # noqa: F401  (moved there; still importable here)
 
@@ -125,16 +126,48 @@ def iter_full_tensors(
 
     The tensors never alias the live parameters (with one rank, or a dtype that needs no conversion, the
     gather would hand back the parameter's own storage): a consumer may keep, share or pin them freely.
+    A LoRA model yields its merged weights (W + scaling * B @ A) under the base layers' names and no
+    adapter tensors: what an engine without adapters loads (see `_merged_param`).
     """
     reshard_all(model)
+    adapted = {f"{path}.weight": module for path, module in lora_modules(model)}
     for name, param in model.named_parameters():
-        local = param.detach()
+        if is_adapter_param(name):
+            continue
+        local = param.detach() if name not in adapted else _merged_param(adapted[name])
         if dtype is not None:
             local = local.to(dtype)
         full = local.full_tensor() if isinstance(local, DTensor) else local
         if full.untyped_storage().data_ptr() == local_tensor(param).untyped_storage().data_ptr():
             full = full.clone()
         yield name, full
+
+
+def _merged_param(module: LoRALinear) -> torch.Tensor:
+    """The merged weight of a LoRA layer, sharded like its base weight (a DTensor under FSDP).
+
+    FSDP2 shards W [out, in] and B [out, r] on dim 0 in the same row chunks (equal dim-0 sizes), so this
+    rank's merged rows are W_local + s * B_local @ A with A gathered whole (r x in: small); the base
+    weight is never gathered at full precision just to be merged.
+    """
+    weight, lora_A, lora_B = (p.detach() for p in (module.weight, module.lora_A.weight, module.lora_B.weight))
+    if not isinstance(weight, DTensor):
+        return merge_weight(weight, lora_A, lora_B, module.scaling)
+    full_A = lora_A.full_tensor() if isinstance(lora_A, DTensor) else lora_A
+    merged = merge_weight(weight.to_local(), full_A, local_tensor(lora_B), module.scaling)
+    return DTensor.from_local(
+        merged, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+        stride=weight.stride(),
+    )  # fmt: skip
+
+
+def iter_adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every LoRA adapter parameter, gathered one at a time (collective)."""
+    reshard_all(model)
+    for name, param in model.named_parameters():
+        if is_adapter_param(name):
+            local = param.detach()
+            yield name, (local.full_tensor() if isinstance(local, DTensor) else local.clone())
 
 
 def iter_weight_buckets(

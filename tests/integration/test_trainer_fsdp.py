@@ -1,13 +1,10 @@
 """FSDP2 trainer, real processes (gloo): 2 ranks == 1 rank, resume is bit-exact, HF export loads in transformers."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from clawrl.trainer.distributed import free_port
+from gloo_ranks import run_ranks
 
 WORKER = Path(__file__).with_name("trainer_worker.py")
 
@@ -20,34 +17,7 @@ def model_dir(tmp_path_factory):
 
 
 def _run(model_dir, out, *, world_size=1, extra=()):
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                "--model",
-                model_dir,
-                "--rank",
-                str(r),
-                "--world-size",
-                str(world_size),
-                "--port",
-                str(port),
-                "--out",
-                str(out),
-                *extra,
-            ],  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        output, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, output
-    return torch.load(out, weights_only=True)
+    return run_ranks(WORKER, model_dir, out, world_size=world_size, extra=extra)
 
 
 def _train_metrics(result):
