@@ -96,11 +96,23 @@ def outputs_summary(job) -> str:
         ("report", f"clawrl report {out}   -> {os.path.join(out, 'report', 'index.html')}"),
         ("checkpoints", f"{model.save} (--save; resume with --load {model.save})" if model.save else
          "none (--save DIR to keep them)"),
-        ("HF export", f"{model.save_hf} (--save-hf)" if model.save_hf else "none (--save-hf DIR to write one)"),
+        ("HF export", _hf_export_line(job)),
     ]  # fmt: skip
     if job.logging.use_tensorboard:
         rows.append(("tensorboard", os.path.join(out, "tensorboard")))
     return "clawrl: run finished; outputs:\n" + "\n".join(f"  {name:<12} {where}" for name, where in rows)
+
+
+def _hf_export_line(job) -> str:
+    """Where the final weights' HF export is (the template filled for the last rollout, when the run length is known)."""
+    from clawrl.config.model import save_hf_path
+
+    template, last = job.model.save_hf, job.rollout.num_rollout
+    if not template:
+        return "none (--save-hf DIR to write one)"
+    if not last:
+        return f"{template} (--save-hf)"
+    return f"{save_hf_path(template, last - 1)} (the final weights; --save-hf {template})"
 
 
 def _resolve_resources(job, *, can_colocate: bool) -> None:

@@ -160,5 +160,5 @@ def test_the_end_of_a_run_says_where_its_outputs_are():
     saved = outputs_summary(parse_job_args([*base, "--save", "ck", "--save-hf", "hf/{rollout_id}"]))
     assert saved.splitlines()[3:] == [
         "  checkpoints  ck (--save; resume with --load ck)",
-        "  HF export    hf/{rollout_id} (--save-hf)",
+        "  HF export    hf/0 (the final weights; --save-hf hf/{rollout_id})",
     ]
