@@ -38,7 +38,7 @@ from clawrl.trainer import checkpoint as ckpt
 from clawrl.trainer.distributed import all_reduce_sum
 from clawrl.trainer.fsdp import apply_activation_checkpointing, apply_fsdp, reshard_all
 from clawrl.trainer.loss import aggregation_mode
-from clawrl.trainer.optim import LRSchedule, build_adamw
+from clawrl.trainer.optim import LRSchedule, build_adamw, clip_grad_norm
 from clawrl.trainer.rl_step import micro_batches, per_sample_mean
 
 
@@ -177,7 +177,8 @@ class Critic:
             sums += torch.stack([loss.detach(), clipfrac]).double()
         value_loss, value_clipfrac = all_reduce_sum(sums).tolist()
         out = {"train/value_loss": value_loss, "train/value_clipfrac": value_clipfrac}
-        out["train/critic_grad_norm"] = self._clip_grad()
+        what = f"critic gradient norm at step {self.schedule.step_count}"
+        out["train/critic_grad_norm"] = clip_grad_norm(self.model, self.job.train.clip_grad, what)
         out["train/critic_lr"] = self.schedule.apply()
         self.optimizer.step()
         self.schedule.advance()
@@ -199,18 +200,6 @@ class Critic:
             )  # fmt: skip
 
         return reduce(loss_M), reduce(extra["value_clipfrac"]).detach()
-
-    def _clip_grad(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        value = float(norm)
-        if not torch.isfinite(torch.tensor(value)):
-            raise FloatingPointError(f"critic gradient norm is {value} at step {self.schedule.step_count}")
-        if 0 < self.job.train.clip_grad < value:
-            torch.nn.utils.clip_grads_with_norm_(params, self.job.train.clip_grad, norm)
-        return value
 
     # ------------------------------------------------------------------------------------------ state
     def save(self, root: str, rollout_id: int, meta: dict[str, Any]) -> Path:

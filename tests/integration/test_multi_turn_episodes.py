@@ -189,8 +189,10 @@ def test_calculator_episode_tokens_mask_reward_and_metrics(model_dir, server, to
         )
         # rollout log-probs: the engine's for model tokens, the 0.0 placeholder for tool tokens
         assert len(sample.rollout_log_probs) == sample.response_length
-        for lp, m in zip(sample.rollout_log_probs, sample.loss_mask, strict=True):
-            assert lp <= 0.0 if m else lp == 0.0
+        model_lps = [lp for lp, m in zip(sample.rollout_log_probs, sample.loss_mask, strict=True) if m]
+        tool_lps = [lp for lp, m in zip(sample.rollout_log_probs, sample.loss_mask, strict=True) if not m]
+        assert model_lps and all(lp <= 0.0 for lp in model_lps)
+        assert tool_lps and all(lp == 0.0 for lp in tool_lps)
         assert f"<tool_response>\n{result}\n</tool_response>" in sample.response
         episode = sample.metadata["multi_turn"]
         assert episode["messages"] == [

@@ -152,7 +152,7 @@ INTERNAL = {
         "call order of the loop (onload before train), not a flag",
     Site(ACTOR, "TrainActor._rollout_log_probs", "needs the rollout's log-probs"):
         "data: a custom generate function returned samples without rollout log-probs",
-    Site(ACTOR, "TrainActor._clip_grad", "gradient norm is"): "numerics: a non-finite gradient",
+    Site("clawrl/trainer/optim.py", "clip_grad_norm", "{what} is {value}"): "numerics: a non-finite gradient",
     Site(ACTOR, "TrainActor.save", "needs --save"): "the loop saves the trainer only when --save is set",
     Site("clawrl/trainer/hf_model.py", "HFCausalLM.__init__", "--model-impl hf needs a causal LM"):
         "file: the --hf-checkpoint's architecture has no .model / .lm_head",
@@ -176,8 +176,6 @@ INTERNAL = {
         "file: what the --critic-load directory holds",
     Site("clawrl/trainer/critic.py", "_load_state", "does not fit the --hf-checkpoint architecture"):
         "file: --critic-load holds another architecture's weights",
-    Site("clawrl/trainer/critic.py", "Critic._clip_grad", "critic gradient norm is"):
-        "numerics: a non-finite gradient",
     Site("clawrl/trainer/critic.py", "Critic.load", "the policy checkpoint is iteration"):
         "file: the --load directory lacks the critic's checkpoint",
     Site("clawrl/trainer/weights.py", "WeightBank.load_", "do not fit the policy model"):
