@@ -57,7 +57,7 @@ class _PhaseTimer:
 
 def stub_device(runner, vocab: int) -> None:
     """Replace the runner's device work (forward, CUDA-graph replay, sampler kernel) by instant stand-ins."""
-    import clawrl.engine.triton_ops as triton_ops
+    import clawrl.engine.runner.triton_ops as triton_ops
 
     max_batch = runner.batch_sizes[-1]
     logits = torch.zeros(max_batch, vocab)
@@ -74,8 +74,8 @@ def stub_device(runner, vocab: int) -> None:
 
 def build_engine(workdir: Path, args):
     from clawrl.engine.config import EngineConfig
-    from clawrl.engine.engine import Engine
-    from clawrl.engine.gpu_runner import GpuModelRunner
+    from clawrl.engine.core.engine import Engine
+    from clawrl.engine.runner.gpu_runner import GpuModelRunner
     from clawrl.models.tiny import build_tiny_model
 
     path = build_tiny_model(workdir / "tiny", vocab_size=VOCAB, max_position_embeddings=4096)
@@ -110,7 +110,7 @@ def wrap_phases(engine, timer: _PhaseTimer) -> None:
 
 
 def add_requests(engine, args) -> None:
-    from clawrl.engine.sampling_params import SamplingParams
+    from clawrl.engine.core.request import SamplingParams
 
     for i in range(args.batch):
         prompt = [(i * 7919 + j * 104729) % (VOCAB - 3) + 3 for j in range(args.prompt_len)]

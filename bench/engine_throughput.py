@@ -147,7 +147,7 @@ def decode_roofline(shape: str, batch: int, prompt_len: int, new_tokens: int, hb
 
 def make_engine(path: Path, args, *, max_running: int, dtype: str = "bfloat16", cuda_graph: bool = True):
     from clawrl.engine.config import EngineConfig
-    from clawrl.engine.engine import Engine
+    from clawrl.engine.core.engine import Engine
 
     start = time.perf_counter()
     engine = Engine(
@@ -163,7 +163,7 @@ def make_engine(path: Path, args, *, max_running: int, dtype: str = "bfloat16", 
 
 
 def sampling_params(new_tokens: int, greedy: bool, seed: int):
-    from clawrl.engine.sampling_params import SamplingParams
+    from clawrl.engine.core.request import SamplingParams
 
     return SamplingParams(
         max_new_tokens=new_tokens, ignore_eos=True, temperature=0.0 if greedy else 1.0, seed=seed
@@ -211,7 +211,11 @@ def run_engine(path: Path, shape: str, batch: int, args) -> dict:
         engine.set_overlap_schedule(schedule == "overlap")
         for _ in range(args.warmup):  # compiles the prefill kernels at this batch's shapes
             timed_engine_run(engine, prompts, min(8, args.new_tokens), args.greedy)
-        return timed_engine_run(engine, prompts, args.new_tokens, args.greedy)
+        runs = [timed_engine_run(engine, prompts, args.new_tokens, args.greedy) for _ in range(args.repeats)]
+        runs.sort(key=lambda run: run["tok_s"])
+        median = runs[len(runs) // 2]  # one generation is ~0.5 s: single runs vary by several percent
+        median["repeats_tok_s"] = [run["tok_s"] for run in runs]
+        return median
 
     for schedule in args.schedules.split(","):
         results[schedule] = guarded(
@@ -331,7 +335,7 @@ def run_hf(path: Path, batch: int, args) -> dict:
 
 
 def check_decode_kernel(args) -> dict:
-    from clawrl.engine.triton_attention import paged_attention_reference, paged_decode_attention
+    from clawrl.engine.runner.triton_attention import paged_attention_reference, paged_decode_attention
 
     generator = torch.Generator().manual_seed(0)
     num_seqs, page, hkv, hq, d = 64, 16, 2, 14, 64
@@ -364,7 +368,7 @@ def check_decode_kernel(args) -> dict:
 def time_decode_kernel() -> dict:
     """Microseconds and achieved K/V GB/s of one decode-attention layer at the 0.5B shape, batch 256,
     context 256, for a few (block_n, num_warps) choices (the engine's default is block_n 64, 4 warps)."""
-    from clawrl.engine.triton_attention import paged_decode_attention
+    from clawrl.engine.runner.triton_attention import paged_decode_attention
 
     num_seqs, ctx, page, hkv, hq, d, num_layers = 256, 256, 16, 2, 14, 64, 8
     blocks_per_seq = ctx // page
@@ -400,8 +404,8 @@ def time_decode_kernel() -> dict:
 
 
 def check_sampler(args) -> dict:
-    from clawrl.engine.sampler import sample
-    from clawrl.engine.sampling_params import SamplingParams
+    from clawrl.engine.core.request import SamplingParams
+    from clawrl.engine.runner.sampler import sample
 
     generator = torch.Generator().manual_seed(1)
     logits = (torch.randn(64, SHAPES["0.5b"]["vocab_size"], generator=generator) * 3).to(
@@ -570,6 +574,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="print profiler tables of one decode step (first configuration)")  # fmt: skip
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of temperature-1 sampling")
     p.add_argument("--warmup", type=int, default=1, help="short warm-up generations before timing")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed generations per schedule; the median is reported"
+    )
     p.add_argument("--schedules", default="overlap,plain",
                    help="engine schedules to time: overlap (EngineConfig.enable_overlap_schedule) and/or plain")  # fmt: skip
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: smoke-test this script")

@@ -219,8 +219,8 @@ class _Engines:
         from engine_throughput import build_checkpoint
 
         from clawrl.engine.config import EngineConfig
-        from clawrl.engine.engine import Engine
-        from clawrl.engine.sampling_params import SamplingParams
+        from clawrl.engine.core.engine import Engine
+        from clawrl.engine.core.request import SamplingParams
 
         device = self.args.device
         path = build_checkpoint(Path(self.args.workdir) / f"random-{self.args.shape}", self.args.shape,
@@ -277,7 +277,7 @@ def _thread_cpu_s(names: tuple[str, ...]) -> dict[str, float]:
 def run_inprocess(args, engines: _Engines) -> dict:
     """The ceiling: add every request, step the engine until done. The heap is frozen as AsyncEngine freezes
     it (a full garbage collection pass would otherwise stop this loop for ~0.2 s at random)."""
-    from clawrl.engine.sampling_params import SamplingParams
+    from clawrl.engine.core.request import SamplingParams
 
     engine = engines.get()
     counter = _StepCounter(engine, args.batch)
@@ -303,8 +303,8 @@ def run_inprocess(args, engines: _Engines) -> dict:
 def run_http(args, engines: _Engines, profiles: _ThreadProfiles | None) -> dict:
     """The rollout path: server threads here, the client in a subprocess."""
     from clawrl.engine.async_engine import AsyncEngine
-    from clawrl.engine.client import EngineClient
-    from clawrl.engine.server import ServerThread, create_app
+    from clawrl.engine.http.app import ServerThread, create_app
+    from clawrl.engine.http.client import EngineClient
 
     engine = engines.get()
     async_engine = AsyncEngine(engine)

@@ -159,7 +159,12 @@ def build_actor(model_dir: Path, device: torch.device, args):
     job = JobConfig(
         model=ModelConfig(hf_checkpoint=str(model_dir), gradient_checkpointing=args.gradient_checkpointing),
         rollout=RolloutConfig(rollout_batch_size=1, rollout_max_response_len=VARLEN_RANGE[1]),
-        train=TrainConfig(lr=1e-6, use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens_per_gpu),
+        train=TrainConfig(
+            lr=1e-6,
+            use_dynamic_batch_size=True,
+            max_tokens_per_gpu=args.max_tokens_per_gpu,
+            train_kernels=args.train_kernels,
+        ),
         algo=AlgoConfig(),  # GRPO, no KL term: no reference weights
     )
     actor = TrainActor(job, device=str(device))
@@ -424,6 +429,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocator, cuBLAS heuristics)")
     p.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="token budget of one micro-batch")
     p.add_argument("--gradient-checkpointing", action="store_true", help="ours: recompute block activations")
+    p.add_argument(
+        "--train-kernels",
+        choices=("triton", "torch"),
+        default="triton",
+        help="ours: fused Triton RMSNorm/SiLU/RoPE, or torch (eager ops); clawrl train's flag",
+    )
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of one step of ours (a)"

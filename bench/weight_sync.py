@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from clawrl.engine.client import _Routes
+from clawrl.engine.http.client import _Routes
 from clawrl.models.config import ModelArgs
 from clawrl.models.decoder import CausalLM
 from clawrl.models.hf_io import save_hf
@@ -107,7 +107,7 @@ _DIRECT_ROUTES = {
 
 def _build_engine(model_dir: str, device: str, dtype: str):
     from clawrl.engine.config import EngineConfig
-    from clawrl.engine.engine import Engine
+    from clawrl.engine.core.engine import Engine
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device).index or 0)
@@ -125,7 +125,7 @@ def engine_main(conn, model_dir: str, device: str, dtype: str, transport: str) -
     engine = _build_engine(model_dir, device, dtype)
     if transport == "http":
         from clawrl.engine.async_engine import AsyncEngine
-        from clawrl.engine.server import ServerThread, create_app
+        from clawrl.engine.http.app import ServerThread, create_app
 
         with ServerThread(create_app(AsyncEngine(engine))) as server:
             conn.send(server.url)

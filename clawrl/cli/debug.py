@@ -16,7 +16,7 @@ import argparse
 import importlib
 import sys
 
-from clawrl.engine.client import EngineClientError
+from clawrl.engine.http.client import EngineClientError
 
 # subcommand -> module under clawrl.debug, and its one-line help
 TOOLS: dict[str, tuple[str, str]] = {

@@ -36,6 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--context-length", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")  # fmt: skip
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps without CUDA graphs")
+    p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek-r1"), default=None,
+                   help="chat replies put <think>...</think> in message.reasoning_content (per request: "
+                        "separate_reasoning)")  # fmt: skip
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks (1, 2, 4, 8): heads and MLP columns sharded over that many processes")  # fmt: skip
     p.add_argument(
         "--served-model-name", default=None, help="model id in the OpenAI API (default: --model-path)"
     )
@@ -83,17 +88,18 @@ def run(args: argparse.Namespace) -> int:
     if args.step_timeout_s <= 0:
         return _error(f"--step-timeout-s must be > 0, got {args.step_timeout_s}")
     from clawrl.engine.config import EngineConfig
-    from clawrl.engine.server import serve
+    from clawrl.engine.http.app import serve
 
     try:
         device, dtype = _resolve_device_dtype(args.device, args.dtype)
         config = EngineConfig(
             model_path=args.model_path, device=device, dtype=dtype, mem_fraction_static=args.mem_fraction_static,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
-            enable_cuda_graph=not args.disable_cuda_graph and device == "cuda",
+            enable_cuda_graph=not args.disable_cuda_graph and device == "cuda", tp_size=args.tp_size,
         )  # fmt: skip
         serve(config, host=args.host, port=args.port, step_timeout_s=args.step_timeout_s,
-              served_model_name=args.served_model_name, log_level=args.log_level)  # fmt: skip
+              served_model_name=args.served_model_name, log_level=args.log_level,
+              reasoning_parser=args.reasoning_parser)  # fmt: skip
     except ValueError as error:  # bad flags or a model directory the engine cannot load
         # EngineConfig names its fields ("EngineConfig.mem_fraction_static"); show them as this command's flags.
         return _error(re.sub(r"EngineConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(error)))

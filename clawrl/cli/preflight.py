@@ -6,9 +6,8 @@ What a job would otherwise discover 10-30 s later inside a Ray actor's traceback
 (exists, config.json readable, an architecture the trainer and the engine implement), the prompt datasets
 (readable, every line valid JSON, --input-key / --label-key present), the reward (a known --rm-type, or a
 --custom-rm-path that imports and has a callable signature), the other plugin paths (import and callable),
-the dumps a replay reads, and the output directory (creatable and writable). Also two flag rules that
-would otherwise fail inside a Ray actor: a rollout needs --prompt-data and a reward, and every trainer
-rank needs a sample of each optimizer step.
+the dumps a replay reads, and the output directory (creatable and writable). Rules between flags are not
+here: `validate` and `check_loop_flags` (clawrl/config/validate.py) run first.
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ _PLUGIN_FLAGS = {
 
 def preflight(job: JobConfig) -> None:
     """Raise ConfigError for the first unusable input (see the module docstring)."""
-    _rollout_inputs(job)
-    _trainer_ranks(job)
     _model(job)
     _datasets(job)
     _plugins(job)
@@ -51,33 +48,6 @@ def _stall_points() -> None:
         raise ConfigError(f"{ENV_VAR}: unknown stall point {bad[0]!r}; known: {', '.join(POINTS)}")
 
 
-def _rollout_inputs(job: JobConfig) -> None:
-    """What the rollout manager needs to make a rollout (nothing with --debug-train-only: it replays dumps)."""
-    r = job.rollout
-    if job.debug.debug_train_only or r.rollout_function_path:
-        return
-    if job.data.prompt_data is None:
-        raise ConfigError("--prompt-data is required (unset) unless --rollout-function-path makes prompts")
-    if not (r.rm_type or r.custom_rm_path or r.custom_generate_function_path):
-        raise ConfigError(
-            "no reward function: pass --rm-type or --custom-rm-path (or a --custom-generate-function-path "
-            "or --rollout-function-path that sets rewards itself)"
-        )
-
-
-def _trainer_ranks(job: JobConfig) -> None:
-    """Every trainer rank joins every optimizer step (FSDP's collectives), so each needs a sample of it.
-    Here rather than in validate(): validate() also resolves partial jobs that keep the default GPU count (8)."""
-    res, gbs = job.resources, job.train.global_batch_size
-    if job.debug.debug_rollout_only or gbs is None or gbs >= res.actor_num_gpus:
-        return
-    raise ConfigError(
-        f"--global-batch-size {gbs} (samples per optimizer step) is smaller than the {res.actor_num_gpus} "
-        f"trainer ranks (--actor-num-nodes {res.actor_num_nodes} x --actor-num-gpus-per-node "
-        f"{res.actor_num_gpus_per_node}); every rank needs at least one sample per step"
-    )
-
-
 def _model(job: JobConfig) -> None:
     from clawrl.models.config import SUPPORTED_ARCHS
 
@@ -92,13 +62,18 @@ def _model(job: JobConfig) -> None:
         model_type = json.loads(config.read_text()).get("model_type")
     except (OSError, ValueError) as error:
         raise ConfigError(f"--hf-checkpoint {m.hf_checkpoint!r}: cannot read {config}: {error}") from None
-    native = model_type in SUPPORTED_ARCHS
-    engines_needed = not job.debug.debug_train_only
-    if not native and (m.model_impl == "native" or engines_needed):
-        who = "the trainer (--model-impl native)" if m.model_impl == "native" else "the built-in engine"
+    if model_type in SUPPORTED_ARCHS:
+        return
+    # Other architectures: the trainer needs --model-impl hf, the engine serves them through transformers.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    known = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if m.model_impl == "native" or not known:
+        who = "the trainer (--model-impl native)" if known else "transformers (as a causal LM)"
         raise ConfigError(
             f"--hf-checkpoint {m.hf_checkpoint!r}: model_type {model_type!r} is not supported by {who}; "
-            f"supported: {', '.join(SUPPORTED_ARCHS)}"
+            f"supported: {', '.join(SUPPORTED_ARCHS)} natively, and with --model-impl hf any causal-LM "
+            "model_type transformers knows (mistral, gemma, phi3, ...)"
         )
 
 

@@ -57,10 +57,6 @@ def run(args: argparse.Namespace, prog: str) -> int:
             _resolve_resources(job, can_colocate=not prog.endswith("train-async"))
             job = validate(job)
             check_loop_flags(job, asynchronous=prog.endswith("train-async"))
-            if prog.endswith("train-async") and job.resources.colocate:
-                raise ConfigError(
-                    "--colocate: clawrl train-async needs separate trainer and engine GPUs; drop --colocate"
-                )
             preflight(job)  # model, datasets, plugins, dumps, output dir: before Ray starts
             _warn_unbounded_response(job)
         if prog.endswith("train-async"):

@@ -15,7 +15,8 @@ import ray
 class EngineActor:
     """Builds Engine -> AsyncEngine -> FastAPI app -> uvicorn thread; `start()` returns the base URL."""
 
-    def __init__(self, config: dict, *, num_threads: int | None = None, label: str = "engine"):
+    def __init__(self, config: dict, *, num_threads: int | None = None, label: str = "engine",
+                 multi_node: bool = False):  # fmt: skip
         import torch
 
         from clawrl.cluster.deadline import enable_stack_dumps
@@ -23,6 +24,7 @@ class EngineActor:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = config
+        self.host = listen_host(multi_node=multi_node)
         self.server = None
         self.pid, self.node_ip = enable_stack_dumps(label)
 
@@ -46,8 +48,8 @@ class EngineActor:
     def start(self) -> str:
         from clawrl.engine.async_engine import AsyncEngine
         from clawrl.engine.config import EngineConfig
-        from clawrl.engine.engine import Engine
-        from clawrl.engine.server import ServerThread, create_app
+        from clawrl.engine.core.engine import Engine
+        from clawrl.engine.http.app import ServerThread, create_app
         from clawrl.stall_points import stall_point
 
         stall_point("engine.start")
@@ -56,7 +58,7 @@ class EngineActor:
             import torch
 
             torch.cuda.set_device(0)  # Ray exposes exactly the GPU of this actor's bundle as device 0
-        self.server = ServerThread(create_app(AsyncEngine(Engine(config))), host=_host()).start()
+        self.server = ServerThread(create_app(AsyncEngine(Engine(config))), host=self.host).start()
         return self.server.url
 
     def stop(self) -> None:
@@ -65,6 +67,7 @@ class EngineActor:
             self.server = None
 
 
-def _host() -> str:
-    """Loopback when the whole job is on one machine; the node IP when joining a cluster."""
-    return "127.0.0.1" if not os.environ.get("CLAWRL_MULTINODE") else ray.util.get_node_ip_address()
+def listen_host(*, multi_node: bool) -> str:
+    """Loopback when the whole job is on one machine; with --multi-node the node's IP, so the rollout manager
+    and the trainer on other hosts reach the server."""
+    return ray.util.get_node_ip_address() if multi_node else "127.0.0.1"

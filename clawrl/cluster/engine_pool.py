@@ -1,6 +1,6 @@
 """EnginePool: the job's engine actors, each in its placement slot, restartable one by one.
 
-    pool = EnginePool(configs, group, slots, gpu_fraction, num_threads=1)
+    pool = EnginePool(configs, group, slots, gpu_fraction, num_threads=1, multi_node=False)
     urls = pool.start(timeout_s)          # all engines up (deadline), their base URLs
     new_url = pool.restart(i, timeout_s)  # kill engine i's process, start a fresh one in the same slot
     pool.stop()
@@ -18,7 +18,7 @@ import ray
 
 from clawrl.cluster.deadline import ActorInfo, wait_all
 from clawrl.cluster.engine_actor import EngineActor
-from clawrl.cluster.ray_cluster import actor_options
+from clawrl.cluster.ray_cluster import Reservation, actor_options
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +26,10 @@ logger = logging.getLogger(__name__)
 class EnginePool:
     """Engine actors by index; the URL of engine i changes when it is restarted."""
 
-    def __init__(self, configs: list[dict], group, slots: list[int], gpu_fraction: float, *,
-                 num_threads: int | None = None) -> None:  # fmt: skip
+    def __init__(self, configs: list[dict], group: Reservation | None, slots: list[int], gpu_fraction: float,
+                 *, num_threads: int | None = None, multi_node: bool = False) -> None:  # fmt: skip
         self.configs, self.group, self.slots = configs, group, slots
-        self.gpu_fraction, self.num_threads = gpu_fraction, num_threads
+        self.gpu_fraction, self.num_threads, self.multi_node = gpu_fraction, num_threads, multi_node
         self.actors: list = [None] * len(configs)
         self.urls: list[str] = [""] * len(configs)
         self.infos: list[ActorInfo | None] = [None] * len(configs)
@@ -38,7 +38,7 @@ class EnginePool:
     def _create(self, i: int):
         options = actor_options(self.group, self.slots[i], self.gpu_fraction)
         return EngineActor.options(**options).remote(
-            self.configs[i], num_threads=self.num_threads, label=f"engine {i}"
+            self.configs[i], num_threads=self.num_threads, label=f"engine {i}", multi_node=self.multi_node
         )
 
     def start(self, timeout_s: float) -> list[str]:

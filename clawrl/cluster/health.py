@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from clawrl.engine.client import EngineClient, EngineClientError
+from clawrl.engine.http.client import EngineClient, EngineClientError
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,10 @@ class PlacementPlan:
     trainer_slots: list[int]
     """Slot of each trainer rank: its GPU bundle (cpu mode: a one-CPU bundle on a multi-node cluster)."""
     engine_slots: list[int]
-    """Slot of each engine (one GPU per engine; cpu mode: as for the trainer)."""
+    """First slot of each engine (cpu mode: as for the trainer); engine i holds slots engine_slots[i] ..
+    engine_slots[i] + engine_tp_size - 1 (its tensor-parallel ranks, one GPU each)."""
+    engine_tp_size: int = 1
+    """GPUs (slots) per engine: --rollout-num-gpus-per-engine."""
 
     @property
     def num_trainer_ranks(self) -> int:
@@ -47,7 +50,8 @@ class PlacementPlan:
     @property
     def num_slots(self) -> int:
         """Distinct slots of the plan: GPU bundles, or in cpu mode one per process."""
-        return len(set(self.trainer_slots) | set(self.engine_slots))
+        engine = {first + r for first in self.engine_slots for r in range(self.engine_tp_size)}
+        return len(set(self.trainer_slots) | engine)
 
     @property
     def trainer_gpu_fraction(self) -> float:
@@ -57,6 +61,12 @@ class PlacementPlan:
     @property
     def engine_gpu_fraction(self) -> float:
         return 0.0 if self.mode == "cpu" else (0.4 if self.mode == "colocate" else 1.0)
+
+    @property
+    def weight_transport(self) -> str:
+        """How weights reach the engines (a clawrl.weight_sync transport): "broadcast" over NCCL when the
+        engines have GPUs of their own (split), else "colocated" (shared GPU: CUDA IPC; cpu: shared memory)."""
+        return "broadcast" if self.mode == "split" else "colocated"
 
 
 def plan_placement(
@@ -70,11 +80,6 @@ def plan_placement(
         return _trainer_only(res, cluster_gpus)
     actor = res.actor_num_gpus if trainer else 0
     rollout = actor if res.rollout_num_gpus is None and res.colocate else (res.rollout_num_gpus or 0)
-    if res.rollout_num_gpus_per_engine != 1:
-        raise PlacementError(
-            f"--rollout-num-gpus-per-engine {res.rollout_num_gpus_per_engine}: the built-in engine runs on one "
-            "GPU (no tensor parallelism); use 1 and more engines"
-        )
     if res.rollout_num_gpus is None and not res.colocate:
         # Only a job built in Python gets here unresolved: `clawrl train` fills the count from the machine.
         raise PlacementError("--rollout-num-gpus is unset: pass it (engines' GPUs), or --colocate")
@@ -82,12 +87,19 @@ def plan_placement(
         raise PlacementError(
             f"--rollout-num-gpus {rollout}: at least one engine is needed to generate rollouts"
         )
+    tp = res.rollout_num_gpus_per_engine
+    if rollout % tp:
+        raise PlacementError(
+            f"--rollout-num-gpus-per-engine {tp} must divide the engines' GPUs ({rollout}, --rollout-num-gpus "
+            "or the trainer's with --colocate)"
+        )
     if cluster_gpus == 0:
         return PlacementPlan(
             mode="cpu",
             num_gpus=0,
             trainer_slots=list(range(actor)),
-            engine_slots=list(range(actor, actor + rollout)),
+            engine_slots=list(range(actor, actor + rollout, tp)),
+            engine_tp_size=tp,
         )
     if res.colocate:
         needed = max(actor, rollout)
@@ -98,7 +110,8 @@ def plan_placement(
             mode="colocate",
             num_gpus=needed,
             trainer_slots=list(range(actor)),
-            engine_slots=list(range(rollout)),
+            engine_slots=list(range(0, rollout, tp)),
+            engine_tp_size=tp,
         )
     needed = actor + rollout
     _check_fits(needed, cluster_gpus, f"trainer {actor} + --rollout-num-gpus {rollout}")
@@ -106,7 +119,8 @@ def plan_placement(
         mode="split",
         num_gpus=needed,
         trainer_slots=list(range(actor)),
-        engine_slots=list(range(actor, actor + rollout)),
+        engine_slots=list(range(actor, actor + rollout, tp)),
+        engine_tp_size=tp,
     )
 
 

@@ -23,9 +23,6 @@ from clawrl.cluster.placement import PlacementError, PlacementPlan
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
-MULTINODE_ENV = "CLAWRL_MULTINODE"
-"""Set in every actor of a job that joined a cluster: engines then listen on their node's address, not on
-loopback, so the rollout manager and the trainer on other hosts can reach them."""
 
 
 def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> None:
@@ -35,7 +32,6 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> Non
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local single-user runs: no token dance
     runtime_env = {"env_vars": forwarded_env()}
     if address:
-        runtime_env["env_vars"][MULTINODE_ENV] = "1"  # the cluster may span hosts: no loopback-only servers
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
         # address="local": always a new instance of our own, never a cluster another job left running here

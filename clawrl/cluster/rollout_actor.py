@@ -55,6 +55,9 @@ class RolloutManagerActor:
     def arm_fault(self, url: str, engine_actor: Any, mode: str) -> None:
         self.manager.arm_fault(url, engine_actor, mode)
 
+    def progress(self) -> dict[str, float]:
+        return self.manager.progress()
+
     def router_stats(self) -> dict[str, dict[str, int]]:
         return self.manager.router_stats()
 

@@ -6,16 +6,19 @@ collectives together), with a deadline: a rank that hangs or dies fails the call
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray import ObjectRef
 
 from clawrl.cluster.deadline import ActorFailure, ActorInfo, DeadlineError, wait_all
 from clawrl.cluster.placement import PlacementPlan
-from clawrl.cluster.ray_cluster import actor_options
+from clawrl.cluster.ray_cluster import Reservation, actor_options
 from clawrl.config.job import JobConfig
 from clawrl.data.train_batch import TrainBatch
-from clawrl.stall_points import POINTS, stall_point
+from clawrl.stall_points import stall_point
+from clawrl.weight_sync.cycle import Transport
 
 START_TIMEOUT_S = 600.0
 
@@ -59,40 +62,60 @@ class TrainWorker:
         addr = "127.0.0.1" if loopback else self._where[1]
         return addr, free_port(addr)
 
-    def call(self, method: str, *args, **kwargs) -> Any:
-        if f"trainer.{method}" in POINTS:
-            stall_point(f"trainer.{method}")
-        return getattr(self.actor, method)(*args, **kwargs)
+    # One method per TrainActor call the driver makes, so every call site names what it runs.
+    def init(self, total_optimizer_steps: int) -> int:
+        stall_point("trainer.init")
+        return self.actor.init(total_optimizer_steps)
 
-    def update_weights(self, transport: dict, version: str) -> dict[str, float]:
-        """Gather the weights bucket by bucket (collective); rank 0 pushes them to the engines."""
-        import time
+    def loaded_extra(self) -> dict[str, Any]:
+        return self.actor.loaded_extra()
 
-        from clawrl.weight_sync import make_sender
+    def train(self, batch: TrainBatch) -> dict[str, Any]:
+        stall_point("trainer.train")
+        return self.actor.train(batch)
+
+    def save(self, rollout_id: int, extra: dict[str, Any]) -> str:
+        stall_point("trainer.save")
+        return self.actor.save(rollout_id, extra)
+
+    def export_hf(self, out_dir: str, dtype: str | None = None) -> str:
+        import torch
+
+        return self.actor.export_hf(out_dir, dtype=getattr(torch, dtype) if dtype else None)
+
+    def onload(self) -> None:
+        self.actor.onload()
+
+    def offload(self) -> int:
+        return self.actor.offload()
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 per tensor in the dtype the engines run in (what they compute on their side)."""
+        return self.actor.checksums(self.actor.engine_dtype)
+
+    def shutdown(self) -> None:
+        self.actor.shutdown()
+
+    def update_weights(self, transport: Transport, version: str, verify: bool = False) -> dict[str, float]:
+        """One weight sync (clawrl.weight_sync.cycle): every rank gathers, rank 0 sends; `verify` compares
+        checksums afterwards (--check-weight-update-equal)."""
+        from clawrl.weight_sync.cycle import push_weights
 
         stall_point("trainer.update_weights")
-        start = time.perf_counter()
-        sender = make_sender(**transport) if self.actor.rank == 0 else None
-        if sender is not None:
-            sender.begin(version)
-        num_bytes = 0
-        for bucket in self.actor.weight_buckets(self.actor.engine_dtype):
-            if sender is not None:
-                sender.send(bucket)
-            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        if sender is not None:
-            sender.finish()
-            sender.close()
-        return {
-            "perf/update_weights_bytes": float(num_bytes),
-            "perf/update_weights_time": time.perf_counter() - start,
-        }
+        dtype = self.actor.engine_dtype
+        return push_weights(
+            transport if self.actor.rank == 0 else None,
+            self.actor.weight_buckets(dtype),
+            version,
+            checksums=(lambda: self.actor.checksums(dtype)) if verify else None,
+        )
 
 
 class TrainGroup:
     """Driver-side handle: N TrainWorker actors placed per the plan."""
 
-    def __init__(self, job: JobConfig, plan: PlacementPlan, group, *, num_threads: int | None = None):
+    def __init__(self, job: JobConfig, plan: PlacementPlan, group: Reservation | None, *,
+                 num_threads: int | None = None) -> None:  # fmt: skip
         world = plan.num_trainer_ranks
         device = "cpu" if plan.mode == "cpu" else "cuda"
         self.workers = [
@@ -118,16 +141,23 @@ class TrainGroup:
                 ray.kill(worker)
             raise
 
-    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
-        """Run `TrainActor.method` on every rank (default deadline: --train-timeout); per-rank results."""
+    def _on_every_rank(self, method: Callable[[Any], ObjectRef], what: str,
+                       timeout_s: float | None = None) -> list[Any]:  # fmt: skip
+        """`method(worker)` starts one rank's call (e.g. `lambda w: w.save.remote(k, extra)`); every rank's
+        result, within `timeout_s` (default --train-timeout)."""
         timeout_s = self.job.fault.train_timeout if timeout_s is None else timeout_s
-        return self._wait([w.call.remote(method, *args, **kwargs) for w in self.workers], method, timeout_s)
+        return self._wait([method(w) for w in self.workers], what, timeout_s)
 
     def init(self, total_optimizer_steps: int) -> int:
-        starts = self.call("init", total_optimizer_steps)
+        """Build model and optimizer, load --load if given; the rollout id to start from."""
+        starts = self._on_every_rank(lambda w: w.init.remote(total_optimizer_steps), "init")
         if len(set(starts)) != 1:
             raise RuntimeError(f"trainer ranks disagree on the rollout to resume from: {starts}")
         return starts[0]
+
+    def loaded_extra(self) -> dict[str, Any]:
+        """The extra state of the checkpoint `init` resumed from (rank 0's; every rank read the same)."""
+        return self._on_every_rank(lambda w: w.loaded_extra.remote(), "loaded_extra")[0]
 
     def train(self, batch: TrainBatch) -> dict[str, Any]:
         """Rank 0's metrics; with --save-debug-train-data, every rank's per-sample records under
@@ -135,23 +165,44 @@ class TrainGroup:
         from clawrl.trainer.train_dump import TRAIN_RECORDS_KEY
 
         ref = ray.put(batch)  # one copy in the object store, read by every rank
-        results = self.call("train", ref)
+        results = self._on_every_rank(lambda w: w.train.remote(ref), "train")
         records = [r for result in results for r in result.pop(TRAIN_RECORDS_KEY, [])]
         if records:
             results[0][TRAIN_RECORDS_KEY] = sorted(records, key=lambda r: r["rollout_position"])
         return results[0]
 
-    def update_weights(self, transport: dict, version: str, timeout_s: float = 600.0,
-                       engines: list[ActorInfo] | None = None) -> dict[str, float]:  # fmt: skip
-        """Push the weights to the engines of `transport`; on the deadline the stacks of `engines` are
-        printed too (a stuck receiver is as likely as a stuck sender)."""
-        refs = [w.update_weights.remote(transport, version) for w in self.workers]
+    def save(self, rollout_id: int, extra: dict[str, Any]) -> str:
+        """Checkpoint to --save (`extra`: plain types written to meta.json); the checkpoint directory."""
+        return self._on_every_rank(lambda w: w.save.remote(rollout_id, extra), "save")[0]
+
+    def export_hf(self, out_dir: str, dtype: str | None = None) -> str:
+        """The current weights as a HF model directory (written by rank 0), in `dtype` (a torch dtype name;
+        default: --hf-checkpoint's)."""
+        return self._on_every_rank(lambda w: w.export_hf.remote(out_dir, dtype), "export_hf")[0]
+
+    def onload(self) -> None:
+        """Weights and optimizer state back on the GPU (colocated runs, before a train step)."""
+        self._on_every_rank(lambda w: w.onload.remote(), "onload")
+
+    def offload(self) -> None:
+        """Weights and optimizer state to host memory (colocated runs, so the engines get the GPU)."""
+        self._on_every_rank(lambda w: w.offload.remote(), "offload")
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 per HF tensor name of the weights, in the engines' dtype (for --check-weight-update-equal)."""
+        return self._on_every_rank(lambda w: w.checksums.remote(), "checksums")[0]
+
+    def update_weights(self, transport: Transport, version: str, timeout_s: float = 600.0,
+                       engines: list[ActorInfo] | None = None, *, verify: bool = False) -> dict[str, float]:  # fmt: skip
+        """Push the weights to the engines of `transport` (and with `verify` check their checksums); on the
+        deadline the stacks of `engines` are printed too (a stuck receiver is as likely as a stuck sender)."""
+        refs = [w.update_weights.remote(transport, version, verify) for w in self.workers]
         return self._wait(refs, "update_weights", timeout_s, engines or [])[0]
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Leave the process group on every rank (within the deadline), then end the actors."""
         try:
-            refs = [w.call.remote("shutdown") for w in self.workers]
+            refs = [w.shutdown.remote() for w in self.workers]
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         finally:
             for worker in self.workers:

@@ -29,8 +29,27 @@ class LoggingConfig:
     """Directory for metrics.jsonl, logs and the report; default: outputs/<run name>."""
     run_name: str | None = None
     """Name of the run; default: run-<YYYYmmdd-HHMMSS>."""
+    progress_interval: str = option(default="30", metavar="SECONDS|off")
+    """Rollout progress bar off a terminal: a line at most every SECONDS (0: each poll, ~1 s), or off."""
 
     def __post_init__(self) -> None:
         check_types(self)
         non_empty(self, "output_dir")
         check(self, "run_name", lambda v: v != "" and "/" not in v, "must be non-empty without '/'")
+        check(self, "progress_interval", _is_interval, "must be a number of seconds >= 0 or 'off'")
+
+    @property
+    def progress_interval_s(self) -> float | None:
+        """--progress-interval in seconds; None when it is "off"."""
+        raw = self.progress_interval.strip().lower()
+        return None if raw == "off" else float(raw)
+
+
+def _is_interval(value: str) -> bool:
+    raw = value.strip().lower()
+    if raw == "off":
+        return True
+    try:
+        return float(raw) >= 0
+    except ValueError:
+        return False

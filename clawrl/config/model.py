@@ -26,11 +26,17 @@ class ModelConfig:
     save_interval: int | None = None
     """Save (--save, --save-hf) every N rollouts, and after the last one; default: after the last one only."""
     model_impl: Literal["native", "hf"] = "native"
-    """Trainer model code: native (clawrl/models, packed sequences) or hf (transformers AutoModelForCausalLM)."""
+    """Model code of trainer and engines: native (clawrl/models) or hf (transformers: any decoder, slower)."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass to save memory."""
     update_weight_buffer_size: int = option(512 * 1024**2, metavar="BYTES")
     """Bucket size in bytes for sending weights from the trainer to the engines."""
+    update_weight_transport: Literal["distributed", "disk"] | None = None
+    """distributed: broadcast group; disk: HF dir + /update_weights_from_disk; default: by placement (external: distributed)."""
+    update_weight_disk_dir: str | None = option(metavar="DIR")
+    """With --update-weight-transport disk: where the trainer writes weight_v{N:06d}/ (a dir the engines can read)."""
+    update_weight_disk_keep_files: bool = False
+    """With --update-weight-transport disk: keep each weight_v{N:06d}/ after the engines loaded it."""
 
     def __post_init__(self) -> None:
         check_types(self)

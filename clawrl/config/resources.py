@@ -41,6 +41,10 @@ class ResourcesConfig:
     """Release the engines' GPU memory (weights, KV cache) while the trainer trains."""
     ray_address: str | None = option(metavar="ADDRESS")
     """Ray cluster to join; unset: start Ray on this machine."""
+    multi_node: bool | None = None
+    """The job may span hosts: engines listen on their node's address, not 127.0.0.1; default: on with --ray-address."""
+    rollout_external_engine_addrs: list[str] | None = option(metavar="HOST:PORT")
+    """Generate with already-running SGLang servers or clawrl engines (HOST:PORT, space- or comma-separated); none started."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -48,6 +52,8 @@ class ResourcesConfig:
         at_least(self, "actor_num_gpus_per_node", 1)
         at_least(self, "rollout_num_gpus", 0)
         at_least(self, "rollout_num_gpus_per_engine", 1)
+        if self.rollout_external_engine_addrs is not None:
+            self.rollout_external_engine_addrs = parse_engine_addrs(self.rollout_external_engine_addrs)
 
     @property
     def actor_num_gpus(self) -> int:
@@ -64,6 +70,24 @@ class ResourcesConfig:
 _FLAGS = "--actor-num-gpus-per-node / --rollout-num-gpus"
 
 
+def parse_engine_addrs(values: list[str]) -> list[str]:
+    """--rollout-external-engine-addrs as a list of HOST:PORT (an http:// prefix is dropped); ConfigError
+    naming the flag and the bad entry."""
+    addrs = [a.strip().removeprefix("http://").rstrip("/") for v in values for a in str(v).split(",")]
+    addrs = [a for a in addrs if a]
+    for addr in addrs:
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"--rollout-external-engine-addrs: {addr!r} is not HOST:PORT (e.g. 10.0.0.5:30000)"
+            )
+    if not addrs or len(set(addrs)) != len(addrs):
+        raise ConfigError(
+            f"--rollout-external-engine-addrs: give distinct HOST:PORT addresses, got {values!r}"
+        )
+    return addrs
+
+
 def resolve_resource_defaults(
     res: ResourcesConfig, num_gpus: int, *, can_colocate: bool = True
 ) -> str | None:
@@ -73,6 +97,8 @@ def resolve_resource_defaults(
     count given: every GPU, colocated (`can_colocate=False`, train-async: half the GPUs train, half generate).
     One count given: the other takes the GPUs left. Returns the line saying what was chosen, or None when
     every count was given. Explicit flags are never changed."""
+    if res.rollout_external_engine_addrs and res.rollout_num_gpus is None and not res.colocate:
+        res.rollout_num_gpus = 0  # the engines run elsewhere: every local GPU (or the CPU) trains
     if not res.needs_defaults:
         return None
     if num_gpus == 0:

@@ -52,7 +52,7 @@ class RolloutConfig:
     dynamic_sampling_filter_path: str | None = option(metavar="MODULE.FN")
     """Keep-or-drop filter per prompt group (DAPO): fn(args, samples, **kw) -> bool | DynamicFilterOutput."""
     rm_type: str | None = None
-    """Built-in reward function: math, gsm8k, deepscaler, dapo, f1, or remote_rm (with --rm-url)."""
+    """Built-in reward: math, gsm8k, deepscaler, dapo, f1, math_verify (clawrl[math]), remote_rm (--rm-url)."""
     rm_url: str | None = option(metavar="URL")
     """Reward service for --rm-type remote_rm: POST {prompt, response, label} -> reward."""
     reward_key: str | None = None

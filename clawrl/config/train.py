@@ -67,6 +67,8 @@ class TrainConfig:
     """Comma list of the linear layers to adapt (e.g. q_proj,v_proj,gate_proj), or all-linear."""
     lora_dropout: float = 0.0
     """Dropout probability on each LoRA adapter's input in the training pass (not the log-prob passes)."""
+    train_kernels: Literal["triton", "torch"] = "triton"
+    """Trainer RMSNorm/SiLU/RoPE on CUDA: triton (fused kernels) or torch (eager ops, to bisect numerics)."""
 
     def __post_init__(self) -> None:
         check_types(self)

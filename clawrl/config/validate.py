@@ -30,21 +30,31 @@ values. The rules (slime's batch-size relations and its argument validation, for
   --rollout-batch-size, or a --dynamic-sampling-filter-path whose drops cause refills), clawrl's default
   rollout (not --rollout-function-path) and a generate function that can continue a partial response (not
   the multi-turn one); --mask-offpolicy-in-partial-rollout and --max-weight-staleness need it.
-  `check_loop_flags(job, asynchronous=...)`, called by `clawrl train[-async]` after validate: only
-  train-async takes --update-weights-interval != 1; --max-weight-staleness K >= --update-weights-interval
-  (fresh train-async samples are that stale) and >= 2 in train-async / 1 in train (a sample resumed one
-  rollout later is one version staler than it was fresh, so a smaller K would drop nearly every partial).
+- a job a loop runs: `check_loop_flags(job, asynchronous=...)`, called by `clawrl train[-async]` after
+  validate (validate() alone also resolves partial jobs built in Python): a rollout needs --prompt-data
+  and a reward (unless --rollout-function-path or --debug-train-only); --global-batch-size >= the trainer
+  ranks; train-async refuses --colocate; only train-async takes --update-weights-interval != 1;
+  --max-weight-staleness K >= --update-weights-interval (fresh train-async samples are that stale) and
+  >= 2 in train-async / 1 in train (a sample resumed one rollout later is one version staler than it was
+  fresh, so a smaller K would drop nearly every partial).
 - resources: --offload sets both offloads; --colocate defaults both to on and --rollout-num-gpus to the
-  trainer's GPUs; unset offloads become False; --rollout-num-gpus-per-engine divides --rollout-num-gpus.
+  trainer's GPUs; unset offloads become False; --rollout-num-gpus-per-engine divides --rollout-num-gpus;
+  --multi-node defaults to on with --ray-address.
 - rewards and losses: --rm-type remote_rm needs --rm-url; --loss-type custom_loss needs its function path;
   --min-lr <= --lr.
 - lengths: --rollout-max-prompt-len <= --sglang-context-length - 1 (room for one response token).
 - debugging: --debug-rollout-only and --debug-train-only exclude each other; --load-debug-rollout-data implies
   --debug-train-only, which needs it (nothing else to train on); --dump-details DIR sets the rollout and train
   dump templates under DIR; the two templates differ; a template is a str.format string whose only field is
-  {rollout_id} (without it every dump overwrites one file: a warning); --debug-rollout-only turns off
-  --colocate and both offloads and gives the trainer's GPUs to the engines; --ci-test implies
+  {rollout_id} (without it every dump overwrites one file: a warning); --fault-injection names an engine
+  the job has (after the resources are resolved); --debug-rollout-only turns off --colocate and both
+  offloads and gives the trainer's GPUs to the engines; --ci-test implies
   --check-weight-update-equal when weights are synced.
+- external engines (--rollout-external-engine-addrs): clawrl starts no engine, so --colocate,
+  --rollout-num-gpus > 0, --offload-rollout, --fault-injection and --debug-train-only (which generates
+  nothing) are refused.
+- weight transport: --update-weight-transport disk needs --update-weight-disk-dir, and the disk flags need
+  it; distributed (a broadcast group) cannot share GPUs (--colocate).
 - output: --run-name defaults to run-<timestamp>, --output-dir to outputs/<run name>.
 """
 
@@ -57,6 +67,7 @@ import time
 
 from clawrl.config.algo import AlgoConfig
 from clawrl.config.errors import ConfigError, flag_of
+from clawrl.config.fault import FaultSpec
 from clawrl.config.job import JobConfig
 from clawrl.config.templates import check_template
 from clawrl.config.train import NATIVE_LINEAR_MODULES, parse_target_modules
@@ -80,7 +91,10 @@ def validate(job: JobConfig) -> JobConfig:
         _partial_rollout,
         _run_length,
         _debug,
+        _external_engines,
+        _weight_transport,
         _resources,
+        _fault_target,
         _rewards_and_losses,
         _prompt_fits_context,
         _output,
@@ -280,6 +294,8 @@ def _resources(job: JobConfig) -> None:
             )
     r.offload_train = bool(r.offload_train)
     r.offload_rollout = bool(r.offload_rollout)
+    if r.multi_node is None:
+        r.multi_node = r.ray_address is not None  # a joined cluster may span hosts
     if r.rollout_num_gpus is not None and r.rollout_num_gpus % r.rollout_num_gpus_per_engine:
         raise ConfigError(
             f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} must divide "
@@ -398,6 +414,59 @@ def _fault(job: JobConfig) -> None:
         )
 
 
+def _external_engines(job: JobConfig) -> None:
+    """--rollout-external-engine-addrs: the engines run elsewhere; flags about local engines are refused."""
+    r, f = job.resources, job.fault
+    addrs = r.rollout_external_engine_addrs
+    if not addrs:
+        return
+    given = " ".join(addrs)
+    conflicts = [
+        ("--colocate", r.colocate),
+        (f"--rollout-num-gpus {r.rollout_num_gpus}", bool(r.rollout_num_gpus)),
+        ("--offload-rollout", bool(r.offload_rollout) or r.offload),
+        (f"--fault-injection {f.fault_injection!r}", f.fault_injection is not None),
+        ("--debug-train-only", job.debug.debug_train_only),
+    ]
+    for flag, present in conflicts:
+        if present:
+            raise ConfigError(
+                f"{flag} cannot be combined with --rollout-external-engine-addrs {given}: clawrl starts no "
+                "engine of its own then (it generates with the servers at those addresses)"
+            )
+
+
+def _weight_transport(job: JobConfig) -> None:
+    m = job.model
+    if m.update_weight_transport == "disk" and not m.update_weight_disk_dir:
+        raise ConfigError(
+            "--update-weight-transport disk needs --update-weight-disk-dir DIR (a directory the engines can read)"
+        )
+    if m.update_weight_transport != "disk" and (m.update_weight_disk_dir or m.update_weight_disk_keep_files):
+        flag = "--update-weight-disk-dir" if m.update_weight_disk_dir else "--update-weight-disk-keep-files"
+        raise ConfigError(f"{flag} is used only with --update-weight-transport disk, got "
+                          f"--update-weight-transport {m.update_weight_transport or '(default)'}")  # fmt: skip
+    if m.update_weight_transport == "distributed" and job.resources.colocate:
+        raise ConfigError(
+            "--update-weight-transport distributed cannot be used with --colocate (a broadcast group needs the "
+            "engines on GPUs of their own); drop one of them"
+        )
+
+
+def _fault_target(job: JobConfig) -> None:
+    """--fault-injection names an engine the job has (the built-in engine takes one GPU slot each)."""
+    spec, r = job.fault.fault_injection, job.resources
+    if spec is None or r.rollout_num_gpus is None:  # unresolved GPU counts: a partial job built in Python
+        return
+    num_engines = r.rollout_num_gpus // r.rollout_num_gpus_per_engine
+    if FaultSpec.parse(spec).engine >= num_engines:
+        raise ConfigError(
+            f"--fault-injection {spec!r}: the job has {num_engines} engine(s) (--rollout-num-gpus "
+            f"{r.rollout_num_gpus} / --rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine}), "
+            f"numbered from 0"
+        )
+
+
 def _rollout_only_resources(job: JobConfig) -> None:
     """slime's adjustments for --debug-rollout-only: no trainer, so its GPUs go to the engines."""
     res = job.resources
@@ -449,7 +518,44 @@ def _partial_rollout(job: JobConfig) -> None:
 
 
 def check_loop_flags(job: JobConfig, *, asynchronous: bool) -> None:
-    """The rules that depend on the loop (`clawrl train` or `clawrl train-async`); after `validate`."""
+    """The rules of a job that a loop (`clawrl train` or `clawrl train-async`) runs, after `validate`.
+    Not in `validate` itself, which also resolves partial jobs built in Python (no data, no GPU counts)."""
+    if asynchronous and job.resources.colocate:  # first: no other flag can make this job run
+        raise ConfigError(
+            "--colocate: clawrl train-async needs separate trainer and engine GPUs; drop --colocate"
+        )
+    _weight_update_interval(job, asynchronous)
+    _rollout_inputs(job)  # after the flag combinations: what the run is missing comes last
+    _trainer_ranks(job)
+
+
+def _rollout_inputs(job: JobConfig) -> None:
+    """What the rollout manager needs to make a rollout (nothing with --debug-train-only: it replays dumps)."""
+    r = job.rollout
+    if job.debug.debug_train_only or r.rollout_function_path:
+        return
+    if job.data.prompt_data is None:
+        raise ConfigError("--prompt-data is required (unset) unless --rollout-function-path makes prompts")
+    if not (r.rm_type or r.custom_rm_path or r.custom_generate_function_path):
+        raise ConfigError(
+            "no reward function: pass --rm-type or --custom-rm-path (or a --custom-generate-function-path "
+            "or --rollout-function-path that sets rewards itself)"
+        )
+
+
+def _trainer_ranks(job: JobConfig) -> None:
+    """Every trainer rank joins every optimizer step (FSDP's collectives), so each needs a sample of it."""
+    res, gbs = job.resources, job.train.global_batch_size
+    if job.debug.debug_rollout_only or gbs is None or gbs >= res.actor_num_gpus:
+        return
+    raise ConfigError(
+        f"--global-batch-size {gbs} (samples per optimizer step) is smaller than the {res.actor_num_gpus} "
+        f"trainer ranks (--actor-num-nodes {res.actor_num_nodes} x --actor-num-gpus-per-node "
+        f"{res.actor_num_gpus_per_node}); every rank needs at least one sample per step"
+    )
+
+
+def _weight_update_interval(job: JobConfig, asynchronous: bool) -> None:
     r = job.rollout
     interval = r.update_weights_interval
     if interval != 1 and not asynchronous:

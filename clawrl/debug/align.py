@@ -32,8 +32,7 @@ from clawrl.debug.align_capture import layer_names
 from clawrl.debug.align_engine import TeacherForcedEngine, build_align_engine, generate_samples
 from clawrl.debug.align_report import AlignStats, format_report
 from clawrl.debug.align_trainer import TrainerSide
-from clawrl.engine.checks import check_same_shapes
-from clawrl.engine.engine import Engine
+from clawrl.engine.core.engine import Engine, check_same_shapes
 from clawrl.models.config import load_model_args
 from clawrl.trainer.packing import plan_micro_batches
 
@@ -68,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="engine dtype and trainer compute dtype")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument(
+        "--train-kernels",
+        choices=("triton", "torch"),
+        default="triton",
+        help="trainer side on CUDA: fused Triton RMSNorm/SiLU/RoPE or eager torch ops (as clawrl train)",
+    )
     parser.add_argument("--tolerance", type=float, default=1e-5, help="largest difference counted as aligned")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=8192,
                         help="tokens per packed trainer forward (a longer sample gets one of its own)")  # fmt: skip
@@ -105,7 +110,8 @@ def align(args: argparse.Namespace) -> dict[str, Any]:
     forced = TeacherForcedEngine(engine, temperature=temperature)
     compute_dtype = getattr(torch, args.dtype)
     try:
-        with TrainerSide(args.hf_checkpoint, device=device, compute_dtype=compute_dtype) as trainer:
+        with TrainerSide(args.hf_checkpoint, device=device, compute_dtype=compute_dtype,
+                         train_kernels=args.train_kernels) as trainer:  # fmt: skip
             for chunk in _chunks(samples, args.max_tokens_per_gpu):
                 engine_traces = [_engine_trace(forced, samples[i], i, seeds[i]) for i in chunk]
                 # Greedy log-probs are reported at T = 1 by the engine; the trainer divides by the same.

@@ -31,9 +31,9 @@ import torch
 from clawrl.data.sample import Sample
 from clawrl.debug.align_capture import LayerCapture
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.sampling_params import SamplingParams
-from clawrl.engine.scheduler import ScheduledBatch
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.core.scheduler import ScheduledBatch
 
 
 @dataclass(kw_only=True)

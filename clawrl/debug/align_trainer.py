@@ -4,7 +4,7 @@
         traces = trainer.trace(samples, temperature=1.0)     # one SideTrace per sample
 
 The model is built as the TrainActor builds it at world size 1: the native CausalLM loaded in fp32 (the
-master weights), the fused training kernels on CUDA unless CLAWRL_TRAIN_KERNELS=0, then FSDP2 over a 1-rank
+master weights), the fused training kernels on CUDA unless train_kernels="torch", then FSDP2 over a 1-rank
 mesh whose mixed-precision policy casts to `compute_dtype` (bf16 on GPU in training, fp32 on CPU). The
 samples are packed into one varlen sequence with `build_micro_batch` and scored by `forward_log_probs`,
 the functions the training step itself uses, so the numbers are the trainer's own. A process group is
@@ -15,8 +15,6 @@ H = hidden size.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -36,14 +34,15 @@ from clawrl.trainer.rl_step import forward_log_probs
 class TrainerSide:
     """The trainer's model (FSDP2 over one rank) with hidden-state hooks; a context manager."""
 
-    def __init__(self, model_path: str, *, device: torch.device, compute_dtype: torch.dtype) -> None:
+    def __init__(self, model_path: str, *, device: torch.device, compute_dtype: torch.dtype,
+                 train_kernels: str = "triton") -> None:  # fmt: skip
         self.device = device
         self._owns_group = not dist.is_initialized()
         init_distributed(
             rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), device_type=device.type
         )
         model = load_model(model_path, fused=False, device=device, dtype=torch.float32)
-        if device.type == "cuda" and os.environ.get("CLAWRL_TRAIN_KERNELS", "1") != "0":
+        if device.type == "cuda" and train_kernels == "triton":  # --train-kernels, as the TrainActor reads it
             enable_train_kernels(model)
         self.model = apply_fsdp(model, build_mesh(device.type, 1), compute_dtype=compute_dtype)
         self.capture = LayerCapture(self.model)

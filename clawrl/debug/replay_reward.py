@@ -21,7 +21,7 @@ from typing import Any
 from clawrl.config.errors import ConfigError
 from clawrl.data.sample import Sample
 from clawrl.debug.dump import load_rollout_dump
-from clawrl.debug.show import prompt_text
+from clawrl.debug.shown import prompt_text
 from clawrl.rollout.rewards import RM_TYPES, batched_reward, build_reward_fn
 
 TOLERANCE = 1e-9

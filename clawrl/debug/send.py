@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from clawrl.config.errors import ConfigError
 from clawrl.data.dataset import read_rows
-from clawrl.engine.client import EngineClient, EngineClientError
+from clawrl.engine.http.client import EngineClient, EngineClientError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

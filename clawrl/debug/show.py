@@ -20,7 +20,6 @@ import math
 import re
 import string
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from clawrl.debug.dump import (
     load_rollout_dump,
     load_train_dump,
 )
+from clawrl.debug.shown import Shown, logprob_diff, prompt_text, reward_value
 
 CATEGORIES = ("train", "eval")
 
@@ -60,18 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--html", metavar="OUT", default=None, help="also write a self-contained HTML page")
     parser.add_argument("--tokenizer", metavar="PATH", default=None,
                         help="tokenizer for --html (default: DIR/tokenizer, else the dump's recorded one)")  # fmt: skip
-
-
-@dataclass(kw_only=True)
-class Shown:
-    """One dump to show, with its train dump when there is one."""
-
-    dump: RolloutDump
-    """The rollout or eval dump."""
-    train: dict[str, Any] | None = None
-    """The train dump of the same rollout id (what the trainer consumed), or None."""
-    records: dict[int, dict[str, Any]] = field(default_factory=dict)
-    """Train records by the position of their sample in `dump.samples` (only records whose tokens match)."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -254,14 +242,6 @@ def _stats(samples: list[Sample], reward_key: str | None) -> str:
     return " · ".join(parts)
 
 
-def reward_value(sample: Sample, reward_key: str | None) -> float | None:
-    """The sample's scalar reward (a dict reward needs `reward_key`); None when there is none."""
-    reward = sample.reward
-    if isinstance(reward, dict):
-        reward = reward.get(reward_key) if reward_key is not None else None
-    return float(reward) if isinstance(reward, (int, float)) else None
-
-
 def _metric_lines(title: str, metrics: Any) -> list[str]:
     if not isinstance(metrics, dict) or not metrics:
         return []
@@ -312,26 +292,6 @@ def _record_summary(record: dict) -> str:
     if diff is not None and diff.numel():
         parts.append(f"|train-rollout logp| mean {diff.mean().item():.3g} max {diff.max().item():.3g}")
     return "train: " + " · ".join(parts)
-
-
-def logprob_diff(record: dict) -> torch.Tensor | None:
-    """|trainer log-prob - rollout log-prob| per response token of a train record (None if either is absent)."""
-    train, rollout = record.get("log_probs"), record.get("rollout_log_probs")
-    if not isinstance(train, torch.Tensor) or not isinstance(rollout, torch.Tensor):
-        return None
-    if train.shape != rollout.shape:
-        return None
-    return (train.float() - rollout.float()).abs()
-
-
-def prompt_text(prompt: Any) -> str:
-    """A prompt as text: chat messages become "[role] content" lines."""
-    if isinstance(prompt, list):
-        return "\n".join(
-            f"[{m.get('role', '?')}] {m.get('content', '')}" if isinstance(m, dict) else str(m)
-            for m in prompt
-        )
-    return str(prompt)
 
 
 def _text_block(title: str, text: str, limit: int | None) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from clawrl.data.sample import Sample
-from clawrl.debug.show import Shown, logprob_diff, prompt_text, reward_value
+from clawrl.debug.shown import Shown, logprob_diff, prompt_text, reward_value
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ What the real loop must do to reproduce the numbers of `run_inprocess`:
   step per rollout; weights copied to the engine after every step (on-policy).
 - eval: greedy, 24 new tokens, on eval.jsonl before the first rollout and every `grpo.eval_interval`.
 
-`clawrl.demo.inprocess.run_inprocess(recipe, out_dir)` runs the whole recipe in one process (no Ray, no HTTP);
-it is the harness the recipe was tuned with, and its numbers are the reference for the Ray loop.
+`run_inprocess(recipe, out_dir)` in tests/integration/demo_inprocess.py runs the whole recipe in one process (no
+Ray, no HTTP); it is the harness the recipe was tuned with, and its numbers are the reference for the Ray loop.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """AsyncEngine: the synchronous engine core driven by one background thread, used from asyncio.
 
-The core (clawrl/engine/engine.py) is single-threaded: `step()` runs one scheduler step. Here one thread
+The core (clawrl/engine/core/engine.py) is single-threaded: `step()` runs one scheduler step. Here one thread
 owns it. Everything else (new requests, aborts, pause/continue, weight updates, release/resume, cache
 flush) is a command put on a thread-safe queue and applied by that thread *between* steps, so the core is
 never touched concurrently and a weight update never lands in the middle of a forward pass.
@@ -8,15 +8,20 @@ never touched concurrently and a weight update never lands in the middle of a fo
 Outputs reach the event loop in at most one hand-off per step (a deque drained by one call_soon_threadsafe
 callback, which also takes what later steps post before it runs); the engine thread never waits for the loop.
 `generate` (streaming) requests get every StepOutput on their asyncio queue; their coroutine turns token ids
-into text (text_stream.IncrementalText) and yields deltas. `generate_full` requests (non-streaming: /generate,
+into text (core/sequence.py's IncrementalDetokenizer) and yields deltas. `generate_full` requests (non-streaming: /generate,
 OpenAI routes, health checks) cost the loop nothing per step: the engine thread adds their StepOutputs to flat
 per-sample lists (request_output.OutputCollector), handed over once when the last sample is done, and the
 text is decoded once. (A rollout's 256 requests would otherwise wake 256 coroutines and decode 256 texts
 every step, holding the GIL that the engine thread needs between GPU steps.)
 
-Deadlines (ARCHITECTURE decision 10): a watchdog thread watches every call into the core; one that runs
-longer than `step_timeout_s` dumps every thread's stack (faulthandler) and fails all waiting requests and
-commands with EngineUnavailableError instead of letting them hang. Commands also wait with a deadline.
+Three parts: the request API (`generate`, `generate_full`: this module), the control API (abort, pause /
+continue, cache flush, weight loads, memory release / resume: control.py's ControlAPI, mixed in) and the
+`Watchdog`. Commands reach the engine thread as (kind, arguments) and are applied by the handler that the
+dispatch table `_handlers` (built in __init__) names for their kind.
+
+Deadlines: every wait has one. The Watchdog times every call into the core; one that runs longer than
+`step_timeout_s` dumps every thread's stack (faulthandler) and fails all waiting requests and commands with
+EngineUnavailableError instead of letting them hang. Commands also wait with a deadline.
 
 Usage (inside a running event loop):
 
@@ -44,24 +49,26 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from clawrl.engine.protocol import EngineUnavailableError, RequestError, check_prompt
-from clawrl.engine.request_output import (
-    Aborted,
+from clawrl.engine.control import ControlAPI, as_request_error
+from clawrl.engine.core.request import (
     Collected,
     GenerationDelta,
     GenerationResult,
     OutputCollector,
+    RequestError,
     RequestStream,
+    SamplingParams,
+    check_prompt,
     collect_results,
 )
-from clawrl.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# SGLang's tags. "cuda_graph" is accepted (slime resumes ["kv_cache", "cuda_graph"] after a weight update)
-# but the core has no graphs to free yet, so only the other tags reach it.
-ALL_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-_CORE_MEMORY_TAGS = ("weights", "kv_cache")
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot serve (stuck step, crashed thread, shut down); the server answers HTTP 503."""
+
+    status_code = 503
 
 
 @dataclass
@@ -90,7 +97,56 @@ class _Live:
     """generate_full: its outputs so far, handed over at the end; None: streamed every step."""
 
 
-class AsyncEngine:
+class Watchdog:
+    """A thread that times the engine thread's calls into the core (`busy`). One that runs longer than
+    `timeout_s` gets every thread's stack dumped to stderr (faulthandler) and is reported, once, to
+    `on_stuck` with a message naming it; the watchdog then stops."""
+
+    def __init__(self, *, timeout_s: float, poll_s: float, on_stuck: Callable[[str], None]) -> None:
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self._on_stuck = on_stuck
+        self._since: float | None = None
+        self._what = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._watch, name="clawrl-engine-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @contextlib.contextmanager
+    def busy(self, what: str):
+        """Time one call into the core (engine thread)."""
+        self._what, self._since = what, time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            since = self._since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self._report(self._what, time.monotonic() - since)
+                return
+
+    def _report(self, what: str, elapsed_s: float) -> None:
+        message = (
+            f"engine {what!r} has run for {elapsed_s:.1f} s, more than step_timeout_s={self.timeout_s} s; "
+            "the stacks of all threads were dumped to stderr"
+        )
+        logger.error(message)
+        stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+        with contextlib.suppress(Exception):  # a dump failure must not hide the timeout itself
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+        self._on_stuck(message)
+
+
+class AsyncEngine(ControlAPI):
     """Serves one engine core to asyncio code; see the module docstring."""
 
     def __init__(self, engine: Any, *, step_timeout_s: float = 300.0, command_timeout_s: float | None = None,
@@ -124,13 +180,17 @@ class AsyncEngine:
         # Shared, written by one thread, read by others (single attribute stores are atomic in CPython).
         self._fatal: EngineUnavailableError | None = None
         self._stopping = False
-        self._busy_since: float | None = None
-        self._busy_what = ""
         self._current: _Command | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._watchdog: threading.Thread | None = None
-        self._watchdog_stop = threading.Event()
+        self.watchdog = Watchdog(timeout_s=step_timeout_s, poll_s=watchdog_poll_s,
+                                 on_stuck=lambda message: self._die(EngineUnavailableError(message)))  # fmt: skip
+        # The dispatch table: command kind -> the handler the engine thread applies it with.
+        self._handlers: dict[str, Callable[..., Any]] = {
+            "noop": self._apply_noop,
+            "add": self._apply_add,
+            **self.control_handlers(),
+        }
 
     # ------------------------------------------------------------------------------------------------
     # lifecycle
@@ -147,17 +207,17 @@ class AsyncEngine:
             gc.freeze()
             self._froze_gc = True
         self._thread = threading.Thread(target=self._run, name="clawrl-engine", daemon=True)
-        self._watchdog = threading.Thread(target=self._watch, name="clawrl-engine-watchdog", daemon=True)
         self._thread.start()
-        self._watchdog.start()
+        self.watchdog.start()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the thread after its current step; waiting requests fail with EngineUnavailableError."""
         self._stopping = True
-        self._watchdog_stop.set()
+        self.watchdog.stop()
         self._commands.put(_Command("noop", {}, concurrent.futures.Future()))
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self.engine.close()  # tensor-parallel workers, if any
         self._fail_everything(EngineUnavailableError("the engine was shut down"))
         if self._froze_gc:  # the engine's objects may be garbage from now on (tests start many engines)
             gc.unfreeze()
@@ -199,16 +259,13 @@ class AsyncEngine:
             self.start()
 
     # ------------------------------------------------------------------------------------------------
-    # generation
+    # the request API (the control API is ControlAPI's, control.py)
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> str:
         """Validate a new request; returns its id (a fresh one when none is given)."""
         self.check_alive()
         rid = request_id or uuid.uuid4().hex
-        try:
-            params.validate()
-        except ValueError as error:
-            raise RequestError(str(error)) from None
+        params.validate()
         check_prompt(prompt_ids, field="prompt_ids", vocab_size=self.vocab_size, context_len=self.context_len,
                      max_new_tokens=params.max_new_tokens)  # fmt: skip
         if rid in self._streams:
@@ -258,60 +315,7 @@ class AsyncEngine:
         return collect_results(rid, prompt_ids, params, self.tokenizer, version, collected)
 
     # ------------------------------------------------------------------------------------------------
-    # control (each applied by the engine thread between steps)
-
-    async def abort_request(self, request_id: str) -> bool:
-        """Abort one request (all its samples); False when no such request is in flight."""
-        return await self._call("abort", rid=request_id)
-
-    async def abort_all(self) -> int:
-        """Abort every request in flight; returns how many."""
-        return await self._call("abort_all")
-
-    async def pause_generation(self, mode: str = "abort") -> int:
-        """Stop scheduling between steps. mode "abort" (SGLang's default) aborts in-flight requests and
-        returns how many; "in_place" keeps them, K/V included, until continue_generation. "retract" is
-        treated as "in_place" (the core keeps the K/V, so flush_cache refuses, unlike SGLang's retract).
-        Requests that arrive while paused wait."""
-        if mode not in ("abort", "in_place", "retract"):
-            raise RequestError(f"mode must be one of abort, in_place, retract, got {mode!r}")
-        return await self._call("pause", mode=mode)
-
-    async def continue_generation(self) -> None:
-        await self._call("continue")
-
-    async def flush_cache(self) -> bool:
-        """Drop the prefix cache; False when requests are running (the core refuses then)."""
-        return bool(await self._call("flush_cache"))
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       abort_all_requests: bool = False) -> str:  # fmt: skip
-        """Load weights from a HF directory between steps; returns the new weight version.
-
-        Requests in flight keep going afterwards with the new weights (their tokens carry the new
-        version); with abort_all_requests they are aborted first.
-        """
-        return await self._call("update_weights_from_disk", model_path=model_path, weight_version=weight_version,
-                                abort_all_requests=abort_all_requests)  # fmt: skip
-
-    async def update_weights_from_tensors(self, named_tensors: Any, weight_version: str | None = None) -> str:
-        return await self._call("update_weights_from_tensors", named_tensors=named_tensors,
-                                weight_version=weight_version)  # fmt: skip
-
-    async def run_in_engine_thread(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn()` on the engine thread between steps and return its result (weight sync loads buckets
-        this way: the core must never be touched while it steps). ValueErrors become RequestErrors."""
-        return await self._call("call", fn=fn)
-
-    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Free KV cache and/or weights (tags None: all). Refused while requests are in flight."""
-        await self._call("release", tags=_check_tags(tags))
-
-    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        await self._call("resume", tags=_check_tags(tags))
-
-    # ------------------------------------------------------------------------------------------------
-    # commands: submitted from any thread, applied by the engine thread
+    # the engine thread: commands submitted from any thread, applied between steps by `_handlers`
 
     def _submit(self, kind: str, **args: Any) -> concurrent.futures.Future:
         command = _Command(kind, args, concurrent.futures.Future())
@@ -356,20 +360,20 @@ class AsyncEngine:
                 return
 
     def _apply(self, command: _Command) -> None:
-        handler = getattr(self, f"_cmd_{command.kind}")
+        handler = self._handlers[command.kind]
         self._current = command
         try:
-            with self._busy(command.kind):
+            with self.watchdog.busy(command.kind):
                 result = handler(**command.args)
         except Exception as error:  # a failed command fails its caller, not the engine
-            _fail(command.future, error if isinstance(error, RequestError) else _as_request_error(error))
+            _fail(command.future, error if isinstance(error, RequestError) else as_request_error(error))
         else:
             _resolve(command.future, result)
         finally:
             self._current = None
 
     def _step(self) -> None:
-        with self._busy("step"):
+        with self.watchdog.busy("step"):
             outputs = self.engine.step()
         # Runs over the whole batch every step on the engine thread: a dict lookup and an append or an add.
         events: list[tuple[str, Any]] = []
@@ -391,12 +395,12 @@ class AsyncEngine:
                         events.append((rid, Collected(live.outputs, [])))
         self._post(events)
 
-    # --- command handlers (engine thread) ---
+    # --- request handlers (engine thread; the control handlers are in control.py) ---
 
-    def _cmd_noop(self) -> None:
+    def _apply_noop(self) -> None:
         return None
 
-    def _cmd_add(self, rid: str, prompt_ids: list[int], params: SamplingParams, collect: bool) -> None:
+    def _apply_add(self, rid: str, prompt_ids: list[int], params: SamplingParams, collect: bool) -> None:
         if rid in self._live or rid in self._pending:
             raise RequestError(f"rid {rid!r} is already used by a request in flight")
         if self._paused or self._released:
@@ -408,83 +412,6 @@ class AsyncEngine:
         self.engine.add_request(rid, prompt_ids, params)
         outputs = OutputCollector(params.n) if collect else None
         self._live[rid] = _Live(remaining=set(range(params.n)), outputs=outputs)
-
-    def _cmd_abort(self, rid: str) -> bool:
-        pending = self._pending.pop(rid, None)
-        if pending is not None:
-            indices = list(range(pending.params.n))
-            collected = Collected(OutputCollector(pending.params.n), indices) if pending.collect else None
-            self._post([(rid, collected or Aborted(indices))])
-            return True
-        live = self._live.pop(rid, None)
-        if live is None:
-            return False
-        self.engine.abort_request(rid)
-        # Delivered here rather than waiting for the core's abort outputs: those may only come with a
-        # later step, and there is none while generation is paused.
-        indices = sorted(live.remaining)
-        self._post([(rid, Aborted(indices) if live.outputs is None else Collected(live.outputs, indices))])
-        return True
-
-    def _cmd_abort_all(self) -> int:
-        rids = list(self._pending) + list(self._live)
-        for rid in rids:
-            self._cmd_abort(rid)
-        return len(rids)
-
-    def _cmd_pause(self, mode: str) -> int:
-        num_aborted = self._cmd_abort_all() if mode == "abort" else 0
-        self._paused = True
-        return num_aborted
-
-    def _cmd_continue(self) -> None:
-        self._paused = False
-        self._admit_pending()
-
-    def _admit_pending(self) -> None:
-        if self._paused or self._released:
-            return
-        pending, self._pending = self._pending, {}
-        for rid, request in pending.items():
-            try:
-                self._add_to_core(rid, request.prompt_ids, request.params, request.collect)
-            except Exception as error:
-                self._post([(rid, _as_request_error(error))])
-
-    def _cmd_flush_cache(self) -> bool:
-        return bool(self.engine.flush_cache())
-
-    def _cmd_update_weights_from_disk(self, model_path: str, weight_version: str | None,
-                                      abort_all_requests: bool) -> str:  # fmt: skip
-        if abort_all_requests:
-            self._cmd_abort_all()
-        return str(self.engine.update_weights_from_disk(model_path, weight_version=weight_version))
-
-    def _cmd_update_weights_from_tensors(self, named_tensors: Any, weight_version: str | None) -> str:
-        return str(self.engine.update_weights_from_tensors(named_tensors, weight_version=weight_version))
-
-    def _cmd_call(self, fn: Callable[[], Any]) -> Any:
-        return fn()
-
-    def _cmd_release(self, tags: list[str] | None) -> None:
-        if self._live:
-            raise RequestError(
-                f"cannot release memory while {len(self._live)} requests are running; "
-                "pause_generation (mode abort) first"
-            )
-        tags = list(tags or ALL_MEMORY_TAGS)
-        core_tags = [tag for tag in tags if tag in _CORE_MEMORY_TAGS]
-        if core_tags:
-            self.engine.release_memory_occupation(core_tags)
-        self._released |= set(tags)
-
-    def _cmd_resume(self, tags: list[str] | None) -> None:
-        tags = list(tags or ALL_MEMORY_TAGS)
-        core_tags = [tag for tag in tags if tag in _CORE_MEMORY_TAGS]
-        if core_tags:
-            self.engine.resume_memory_occupation(core_tags)
-        self._released -= set(tags)
-        self._admit_pending()
 
     # ------------------------------------------------------------------------------------------------
     # delivery to the event loop
@@ -518,33 +445,7 @@ class AsyncEngine:
             _deliver(sink, error)
 
     # ------------------------------------------------------------------------------------------------
-    # deadlines
-
-    @contextlib.contextmanager
-    def _busy(self, what: str):
-        self._busy_what, self._busy_since = what, time.monotonic()
-        try:
-            yield
-        finally:
-            self._busy_since = None
-
-    def _watch(self) -> None:
-        while not self._watchdog_stop.wait(self.watchdog_poll_s):
-            since = self._busy_since
-            if since is not None and time.monotonic() - since > self.step_timeout_s:
-                self._on_stuck(self._busy_what, time.monotonic() - since)
-                return
-
-    def _on_stuck(self, what: str, elapsed_s: float) -> None:
-        message = (
-            f"engine {what!r} has run for {elapsed_s:.1f} s, more than step_timeout_s={self.step_timeout_s} s; "
-            "the stacks of all threads were dumped to stderr"
-        )
-        logger.error(message)
-        stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
-        with contextlib.suppress(Exception):  # a dump failure must not hide the timeout itself
-            faulthandler.dump_traceback(file=stream, all_threads=True)
-        self._die(EngineUnavailableError(message))
+    # failure
 
     def _die(self, error: EngineUnavailableError) -> None:
         if self._fatal is None:
@@ -571,22 +472,6 @@ def _deliver(sink: asyncio.Queue | asyncio.Future, event: Any) -> None:
         sink.put_nowait(event)
     elif not sink.done():
         (sink.set_exception if isinstance(event, BaseException) else sink.set_result)(event)
-
-
-def _check_tags(tags: list[str] | None) -> list[str] | None:
-    if tags is None:
-        return None
-    unknown = [tag for tag in tags if tag not in ALL_MEMORY_TAGS]
-    if unknown:
-        raise RequestError(f"tags must be a subset of {list(ALL_MEMORY_TAGS)}, got {unknown!r}")
-    return list(tags)
-
-
-def _as_request_error(error: Exception) -> Exception:
-    """Core ValueErrors are the caller's mistake (bad path, bad params): make them 400s with the message."""
-    if isinstance(error, (ValueError, FileNotFoundError, KeyError)):
-        return RequestError(str(error))
-    return error
 
 
 def _resolve(future: concurrent.futures.Future, result: Any) -> None:

@@ -49,6 +49,13 @@ class EngineConfig:
     runner (plain torch attention and sampling, no graphs): slow, the first thing to try on a crash."""
     seed: int = 0
     """Seed of the engine's generator that seeds requests which carry no seed of their own."""
+    model_impl: str = "auto"
+    """Model code: "native" (clawrl/models), "hf" (transformers' forward, runner/hf_runner.py: slower, any
+    causal LM) or "auto" (native when clawrl implements the architecture, else hf)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks (1, 2, 4 or 8; --rollout-num-gpus-per-engine): this process is rank 0 and starts
+    the others (runner/cpu_runner.py); attention heads and MLP columns are split over them
+    (clawrl/models/tp.py). CPU: gloo between processes; CUDA: NCCL, one GPU per rank, the reference runner."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -71,6 +78,12 @@ class EngineConfig:
         if self.attention_backend not in ("triton", "torch"):
             raise ValueError(
                 f"EngineConfig.attention_backend must be 'triton' or 'torch', got {self.attention_backend!r}"
+            )
+        if self.tp_size not in (1, 2, 4, 8):
+            raise ValueError(f"EngineConfig.tp_size must be 1, 2, 4 or 8, got {self.tp_size!r}")
+        if self.model_impl not in ("auto", "native", "hf"):
+            raise ValueError(
+                f"EngineConfig.model_impl must be 'auto', 'native' or 'hf', got {self.model_impl!r}"
             )
         if self.enable_overlap_schedule is not None and not isinstance(self.enable_overlap_schedule, bool):
             raise ValueError(

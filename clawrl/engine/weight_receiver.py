@@ -1,6 +1,6 @@
 """The engine's end of weight sync (clawrl/weight_sync/): receive buckets, load them, flip the version.
 
-    receiver = WeightReceiver(engine)                       # engine: the core (clawrl.engine.engine.Engine)
+    receiver = WeightReceiver(engine)                       # engine: the core (clawrl.engine.core.engine.Engine)
     receiver.update_from_tensor(body)                       # POST /update_weights_from_tensor (colocated)
                                                             #   -> {..., "open_s", "load_s"}: engine-side time
     receiver.init_group(body)                               # POST /init_weights_update_group (any thread)
@@ -15,7 +15,14 @@ same JSON the HTTP routes take); a malformed one raises ValueError naming the fi
 
 A bucket is loaded through `Engine.load_weight_bucket` (the model's own weight loaders: packed q/k/v and
 gate/up rows, tied LM head) without changing the version; the message with "finish": true ends the sync:
-`Engine.set_weight_version` flips the version and flushes the prefix cache. This module imports neither
+`Engine.set_weight_version` flips the version and flushes the prefix cache.
+
+`/update_weights_from_distributed` has two wire layouts, chosen by the body's `load_format`:
+- "flattened_bucket" (clawrl's own sender): one broadcast per dtype group of the bucket (flat.py), the
+  version flips at the message with "finish": true.
+- absent / null (SGLang's: what an SGLang v0.5 server expects and slime sends): one broadcast per tensor, in
+  the order of `names`; each message may carry `weight_version` (taken at once, prefix cache flushed) and
+  `flush_cache` (default true). This module imports neither
 FastAPI nor pydantic, so benchmarks can drive it directly where those are not installed.
 """
 
@@ -29,12 +36,21 @@ from typing import Any
 import torch
 
 from clawrl.stall_points import stall_point
-from clawrl.weight_sync.broadcast import BACKENDS, broadcast_from_rank0, create_group
 from clawrl.weight_sync.checksum import tensor_checksum
-from clawrl.weight_sync.colocated import open_cuda_ipc, open_shared_memory
-from clawrl.weight_sync.flat import FlatGroup, plan_flat_groups, unflatten
+from clawrl.weight_sync.flat import FlatGroup, parse_dtype, plan_flat_groups, unflatten
+from clawrl.weight_sync.wire import (
+    BACKENDS,
+    broadcast_from_rank0,
+    create_group,
+    open_cuda_ipc,
+    open_shared_memory,
+)
+from clawrl.weight_sync.wire import HANDLE_KINDS as TRANSPORTS
 
-TRANSPORTS = ("shared_memory", "cuda_ipc")
+SGLANG_GROUP_NAME = "weight_update_group"
+"""SGLang's default `group_name` of the weight-update routes."""
+FLAT_LOAD_FORMAT = "flattened_bucket"
+"""`load_format` of clawrl's own broadcast sender: one flat tensor per dtype group of a bucket."""
 
 
 class WeightReceiver:
@@ -75,8 +91,8 @@ class WeightReceiver:
 
     def init_group(self, body: dict) -> dict:
         """Join the trainer's broadcast group; blocks until all ranks joined (call from a worker thread)."""
-        name = _field(body, "group_name", str)
-        backend = _field(body, "backend", str, "gloo")
+        name = _field(body, "group_name", str, SGLANG_GROUP_NAME)
+        backend = _field(body, "backend", str, "nccl" if self.engine.device.type == "cuda" else "gloo")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "nccl" and self.engine.device.type != "cuda":
@@ -96,19 +112,25 @@ class WeightReceiver:
         )  # fmt: skip
         with self._lock:
             self._groups[name] = (group, backend, timeout_s)
-        return {"success": True, "group_name": name, "rank": rank, "world_size": world_size}
+        return {"success": True, "message": f"joined weight-update group {name!r} as rank {rank}",
+                "group_name": name, "rank": rank, "world_size": world_size}  # fmt: skip
 
     def update_from_distributed(self, body: dict) -> dict:
         """Receive one bucket by broadcast from rank 0 and load it (and/or finish). Engine thread only."""
-        name = _field(body, "group_name", str)
+        name = _field(body, "group_name", str, SGLANG_GROUP_NAME)
         with self._lock:
             if name not in self._groups:
                 raise ValueError(
                     f"group_name {name!r}: no such weight-update group (init_weights_update_group first)"
                 )
             group, backend, timeout_s = self._groups[name]
-        groups = _plan(body)
         device = self.engine.device if backend == "nccl" else torch.device("cpu")
+        load_format = body.get("load_format")
+        if load_format is None:
+            return self._update_per_tensor(body, group, device, timeout_s)
+        if load_format != FLAT_LOAD_FORMAT:
+            raise ValueError(f"load_format must be {FLAT_LOAD_FORMAT!r} or absent, got {load_format!r}")
+        groups = _plan(body)
         started = time.perf_counter()
         flats = []
         for flat_group in groups:
@@ -120,13 +142,40 @@ class WeightReceiver:
         timing = {"open_s": received - started, "load_s": time.perf_counter() - received}
         return {**self._maybe_finish(body, num_tensors), **timing}
 
+    def _update_per_tensor(self, body: dict, group: Any, device: torch.device, timeout_s: float) -> dict:
+        """SGLang's layout: one broadcast per tensor in `names` order, then load; `weight_version` is taken
+        at once (with a prefix-cache flush), else `flush_cache` (default true) flushes."""
+        names, dtypes, shapes = (_field(body, key, list, []) for key in ("names", "dtypes", "shapes"))
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(
+                f"names, dtypes, shapes: {len(names)}, {len(dtypes)}, {len(shapes)} entries (must be equal)"
+            )
+        started = time.perf_counter()
+        received = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            dtype = parse_dtype(str(dtype).removeprefix("torch."))  # slime sends "bfloat16"; accept "torch.x"
+            tensor = torch.empty([int(d) for d in shape], dtype=dtype, device=device)
+            broadcast_from_rank0(group, tensor, timeout_s)
+            received.append((str(name), tensor))
+        loaded = time.perf_counter()
+        if received:
+            self.engine.load_weight_bucket(received)
+        version = body.get("weight_version")
+        if version is not None:
+            self.engine.set_weight_version(str(version))
+        elif _field(body, "flush_cache", bool, True):
+            self.engine.flush_cache()
+        return {"success": True, "message": f"{len(received)} tensors updated", "num_tensors": len(received),
+                "finished": False, "weight_version": str(self.engine.weight_version),
+                "open_s": loaded - started, "load_s": time.perf_counter() - loaded}  # fmt: skip
+
     def destroy_group(self, body: dict) -> dict:
-        name = _field(body, "group_name", str)
+        name = _field(body, "group_name", str, SGLANG_GROUP_NAME)
         with self._lock:
             entry = self._groups.pop(name, None)
         if entry is not None and hasattr(entry[0], "shutdown"):
             entry[0].shutdown()
-        return {"success": True, "destroyed": entry is not None}
+        return {"success": True, "message": f"group {name!r} destroyed", "destroyed": entry is not None}
 
     def close(self) -> None:
         for name in list(self._groups):
@@ -138,7 +187,11 @@ class WeightReceiver:
         """{weight_version, checksums: {HF name: sha256}} of the engine's weights. Engine thread only."""
         from clawrl.models.hf_io import hf_state_dict
 
-        sums = {name: tensor_checksum(t) for name, t in hf_state_dict(self.engine.model).items()}
+        tp = getattr(self.engine, "tp", None)  # tensor parallel: the full tensors, gathered from every rank
+        tensors = (
+            tp.full_hf_tensors(self.engine.model) if tp is not None else hf_state_dict(self.engine.model)
+        )
+        sums = {name: tensor_checksum(t) for name, t in tensors.items()}
         return {"weight_version": str(self.engine.weight_version), "checksums": sums}
 
     def _load(self, groups: list[FlatGroup], flats: list[torch.Tensor]) -> int:
@@ -159,7 +212,8 @@ class WeightReceiver:
             raise ValueError(f"weight_version must be a string, got {version!r}")
         if finish:
             self.engine.set_weight_version(None if version is None else str(version))
-        return {"success": True, "num_tensors": num_tensors, "finished": finish,
+        return {"success": True, "message": f"{num_tensors} tensors updated", "num_tensors": num_tensors,
+                "finished": finish,
                 "weight_version": str(self.engine.weight_version)}  # fmt: skip
 
 

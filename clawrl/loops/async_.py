@@ -8,24 +8,21 @@ engines get the trainer's weights after every N-th rollout, so rollout k is gene
 updates older than those that train on it (every sample records its weight versions; the manager logs
 rollout/weight_staleness/{max,mean}). Two syncs happen whatever N is: before an eval (it measures the
 trainer's weights, as in `clawrl train`) and after the last rollout (the engines end on the final weights).
-Needs separate trainer and engine GPUs (no --colocate).
+Needs separate trainer and engine GPUs (no --colocate: `check_loop_flags` in clawrl/config/validate.py
+refuses it before anything starts).
 """
 
 from __future__ import annotations
 
 import ray
 
-from clawrl.config import ConfigError
 from clawrl.config.job import JobConfig
-from clawrl.loops.run import Run, periodic, timed
+from clawrl.loops.run import Run, periodic
 from clawrl.loops.sync import first_eval, timed_eval
+from clawrl.metrics.timer import timed
 
 
 def train_async(job: JobConfig) -> None:
-    if job.resources.colocate:
-        raise ConfigError(
-            "--colocate: clawrl train-async needs separate trainer and engine GPUs; drop --colocate"
-        )
     run = Run.start(job)
     try:
         start = run.init_trainer()

@@ -23,51 +23,63 @@ import ray
 
 from clawrl.cluster.deadline import ActorInfo, wait_all
 from clawrl.cluster.engine_pool import EnginePool
+from clawrl.cluster.external_engines import ExternalEnginePool, sync_from_disk
 from clawrl.cluster.health import EngineHealthMonitor
 from clawrl.cluster.placement import PlacementPlan, plan_placement
-from clawrl.cluster.ray_cluster import cluster_gpus, reserve, start_ray
+from clawrl.cluster.ray_cluster import Reservation, cluster_gpus, reserve, start_ray
 from clawrl.cluster.rollout_actor import RolloutManagerActor
 from clawrl.cluster.train_group import TrainGroup
-from clawrl.config.errors import ConfigError
+from clawrl.config.engine import GENERATION_MEMORY_TAGS, MEMORY_TAGS, SYNC_MEMORY_TAGS, engine_dtype
 from clawrl.config.fault import FaultSpec
 from clawrl.config.job import JobConfig
+from clawrl.metrics.timer import timed
 from clawrl.trainer.train_dump import TRAIN_RECORDS_KEY
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from clawrl.metrics.logger import MetricLogger
     from clawrl.rollout.replay import ReplaySource
 
 logger = logging.getLogger(__name__)
 
-# Colocated engines get their memory back in two phases, as slime does: weights for the sync, then what
-# generation needs. Every released tag must come back, or the engine holds requests forever.
-SYNC_MEMORY_TAGS = ("weights",)
-GENERATION_MEMORY_TAGS = ("kv_cache", "cuda_graph")
 
-
-@dataclass
+@dataclass(kw_only=True)
 class Run:
+    """What `start` opened, in the order it opened it; `close` ends each of them."""
+
     job: JobConfig
+    """The validated job."""
     plan: PlacementPlan
-    pool: EnginePool | None = None
-    """The engine actors; None with --debug-train-only."""
-    manager: Any = None
-    """RolloutManager actor; None with --debug-train-only."""
+    """Where the trainer ranks and engines run."""
+    reservation: Reservation | None = None
+    """The job's placement group; None on CPU on one node (actors go anywhere)."""
+    pool: EnginePool | ExternalEnginePool | None = None
+    """The engine actors (--rollout-external-engine-addrs: the servers there); None with --debug-train-only."""
+    manager: ActorHandle | None = None
+    """The RolloutManagerActor; None with --debug-train-only."""
     trainer: TrainGroup | None = None
     """None with --debug-rollout-only (no trainer process is started)."""
-    metrics: Any = None
+    metrics: MetricLogger | None = None
+    """metrics.jsonl (+ tensorboard, wandb) and the checks that watch it."""
     num_rollout: int = 0
+    """Rollouts the run makes (--num-rollout, or counted from --num-epoch or the dumps)."""
     replay: ReplaySource | None = None
     """--load-debug-rollout-data: rollouts come from dumps, not from engines."""
     monitor: EngineHealthMonitor | None = None
     """--use-fault-tolerance: checks the engines while rollouts run and replaces failed ones."""
-    manager_info: list = field(default_factory=list)
+    manager_info: list[ActorInfo] = field(default_factory=list)
+    """(pid, node) of the rollout manager, for stack dumps."""
     engine_version: int = 0
     """Weight version the engines serve."""
     trainer_version: int = 0
     """Weight version the trainer holds (ahead of the engines between a train step and the next sync)."""
     _trainer_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held during a train step and a recovery's weight sync (one of them at a time)."""
     _fault: FaultSpec | None = None
+    """--fault-injection, until it is armed."""
     _restarts_logged: int = 0
+    """Engine restarts already counted in an earlier metrics row."""
     _startup: list[float] | None = None
     """[start, last phase end] (monotonic) until the first weight sync ends the printed start-up phases."""
 
@@ -80,18 +92,17 @@ class Run:
         logger.info("Ray ready (%.1f s)", time.monotonic() - began)
         plan = plan_placement(
             job.resources, cluster_gpus=cluster_gpus(), trainer=not d.debug_rollout_only,
-            engines=not d.debug_train_only,
+            engines=not d.debug_train_only and not job.resources.rollout_external_engine_addrs,
         )  # fmt: skip
-        _check_fault_target(job, plan)
-        group = reserve(plan)
+        run = cls(job=job, plan=plan, _startup=[began, time.monotonic()])
         threads = 1 if plan.mode == "cpu" else None  # 2-core CPU runs: one thread per process
-        if d.dump_details:
-            _save_tokenizer(job.model.hf_checkpoint, d.dump_details)
-        run = cls(job, plan, _startup=[began, time.monotonic()])
         try:
+            run.reservation = group = reserve(plan)
+            if d.dump_details:
+                _save_tokenizer(job.model.hf_checkpoint, d.dump_details)
             run._start_rollout_side(group, threads)
             if run.pool is not None:
-                run._phase(f"{plan.num_engines} engine(s) ready")
+                run._phase(f"{len(run.engine_urls)} engine(s) ready")
             if not d.debug_rollout_only:
                 run.trainer = TrainGroup(job, plan, group, num_threads=threads)
             run.metrics = _metric_logger(job)
@@ -101,7 +112,7 @@ class Run:
             raise
         return run
 
-    def _start_rollout_side(self, group, threads: int | None) -> None:
+    def _start_rollout_side(self, group: Reservation | None, threads: int | None) -> None:
         job, plan, f = self.job, self.plan, self.job.fault
         if job.debug.debug_train_only:
             from clawrl.rollout.replay import ReplaySource
@@ -111,13 +122,16 @@ class Run:
             self.replay = ReplaySource(job)
             self.num_rollout = self.replay.num_rollout()
             return
-        configs = [engine_config(job, plan, i) for i in range(plan.num_engines)]
-        self.pool = EnginePool(
-            configs, group, plan.engine_slots, plan.engine_gpu_fraction, num_threads=threads
-        )
+        if job.resources.rollout_external_engine_addrs:  # running already: discovered, checked, not started
+            self.pool = ExternalEnginePool(job.resources.rollout_external_engine_addrs,
+                                           hf_checkpoint=job.model.hf_checkpoint)  # fmt: skip
+        else:
+            configs = [engine_config(job, plan, i) for i in range(plan.num_engines)]
+            self.pool = EnginePool(configs, group, plan.engine_slots, plan.engine_gpu_fraction,
+                                   num_threads=threads, multi_node=bool(job.resources.multi_node))  # fmt: skip
         urls = self.pool.start(f.engine_start_timeout)
         self.manager = RolloutManagerActor.options(num_cpus=0, max_concurrency=4).remote(
-            job, urls, num_rollout_gpus=max(plan.num_engines, 1)
+            job, urls, num_rollout_gpus=max(len(urls), 1)
         )
         pid, node = self._wait(
             [self.manager.where.remote()], "rollout manager start", f.engine_start_timeout
@@ -168,7 +182,7 @@ class Run:
             logger.info(
                 "resumed from the checkpoint in %s: continuing at rollout %d", self.job.model.load, start
             )
-            extra = self.trainer.call("loaded_extra")[0]
+            extra = self.trainer.loaded_extra()
             if self.manager is not None:
                 self._wait([self.manager.load_state_dict.remote(extra.get("rollout", {}))], "data cursor", 60)
         self.engine_version = self.trainer_version = start
@@ -198,9 +212,24 @@ class Run:
     def wait_rollout(self, ref, rollout_id: int):
         """(batch, metrics) of a started rollout, within --rollout-timeout. A failed engine recovery ends the
         wait at once: the rollout may be waiting for the engine that could not be replaced."""
-        poll = self._raise_monitor_error if self.monitor is not None else None
-        batch, metrics = wait_all([ref], f"rollout {rollout_id}", self.job.fault.rollout_timeout,
-                                  self.actor_infos(), ["the rollout manager"], poll=poll)[0]  # fmt: skip
+        from clawrl.metrics.progress import ProgressBar, poll_rollout_progress
+
+        bar = ProgressBar(
+            f"rollout {rollout_id + 1}/{self.num_rollout}", interval_s=self.job.logging.progress_interval_s
+        )
+
+        def poll() -> None:  # about once a second: the progress bar, and a failed engine recovery
+            self._raise_monitor_error()
+            if self.manager is not None:
+                poll_rollout_progress(self.manager, bar)
+
+        try:
+            batch, metrics = wait_all([ref], f"rollout {rollout_id}", self.job.fault.rollout_timeout,
+                                      self.actor_infos(), ["the rollout manager"], poll=poll)[0]  # fmt: skip
+            if self.manager is not None:  # the totals of a rollout that outlasted one interval
+                poll_rollout_progress(self.manager, bar, final=True)
+        finally:
+            bar.close()
         self._raise_monitor_error()
         return batch, metrics
 
@@ -219,31 +248,21 @@ class Run:
     def _recover(self, index: int, reason: str) -> None:
         """Health monitor thread: replace engine `index`, load the trainer's current weights into it (checked
         with --check-weight-update-equal), then route to it. In-flight requests were re-sent meanwhile."""
-        from clawrl.weight_sync import transport_for, verify_engine_weights
-
         f, timings = self.job.fault, {}
-        started = time.monotonic()
         old = self.pool.urls[index]
-        new = self.pool.restart(index, f.engine_start_timeout)
-        timings["restart"] = time.monotonic() - started
+        new, timings["restart"] = timed(self.pool.restart, index, f.engine_start_timeout)
         if self.trainer is not None:
-            with self._trainer_lock:  # not during a train step: the version label must match the weights
-                version = str(self.trainer_version)
-                self.trainer.update_weights(
-                    transport_for(self.plan, [new]),
-                    version,
-                    f.update_weights_timeout,
-                    self.pool.actor_infos(),
-                )
-                if self.job.ci.check_weight_update_equal:
-                    checksums = self.trainer.call("checksums", self.trainer_engine_dtype())[0]
-                    verify_engine_weights([new], checksums, expected_version=version)
-            timings["resync"] = time.monotonic() - started - timings["restart"]
+            timings["resync"] = timed(self._resync, new)[1]
         self._wait([self.manager.replace_engine.remote(old, new)], "routing to the new engine", 60)
         logger.warning(
             "engine %d recovered (%s): restart %.1f s, weight sync %.1f s, now serving at %s",
             index, reason.split(";")[0][:120], timings["restart"], timings.get("resync", 0.0), new,
         )  # fmt: skip
+
+    def _resync(self, url: str) -> None:
+        """Load the trainer's current weights into the restarted engine at `url` (and check them)."""
+        with self._trainer_lock:  # not during a train step: the version label must match the weights
+            self._push_weights([url], self.trainer_version)
 
     def _raise_monitor_error(self) -> None:
         if self.monitor is not None and self.monitor.error is not None:
@@ -256,18 +275,21 @@ class Run:
             return {}
         res = self.job.resources
         colocated = self.plan.mode == "colocate"
+        moves: dict[str, float] = {}  # seconds of the memory hand-overs, logged beside the train phases
         if colocated and res.offload_rollout:
             self._pause_monitor()  # released engines cannot generate: no health checks until the sync
             if self.monitor is not None:
                 self.monitor.check_now()  # a dead engine is replaced now, while it can still be resynced
-            self._engines_call("release_memory_occupation", [*SYNC_MEMORY_TAGS, *GENERATION_MEMORY_TAGS])
+            moves["perf/engine_release_time"] = timed(lambda: release_engine_memory(
+                self.engine_urls, MEMORY_TAGS, timeout_s=self.job.fault.update_weights_timeout))[1]  # fmt: skip
         with self._trainer_lock:
             if colocated and res.offload_train:
-                self.trainer.call("onload")
+                moves["perf/trainer_onload_time"] = timed(self.trainer.onload)[1]
             metrics = self.trainer.train(batch)
             if colocated and res.offload_train:
-                self.trainer.call("offload")
+                moves["perf/trainer_offload_time"] = timed(self.trainer.offload)[1]
             self.trainer_version += 1
+        metrics.update(moves)
         records = metrics.pop(TRAIN_RECORDS_KEY, None)
         if records is not None:
             self._save_train_dump(batch.rollout_id, records, metrics)
@@ -298,8 +320,6 @@ class Run:
         perf/update_weights_time (the transfer, version flip included), perf/engine_resume_time and, with
         --check-weight-update-equal, perf/check_weight_update_time.
         """
-        from clawrl.weight_sync import transport_for, verify_engine_weights
-
         if self.trainer is None or self.pool is None:  # a half-run: nothing to sync
             return {}
         self._pause_monitor()  # a recovery in progress finishes first; no checks while weights change
@@ -308,18 +328,10 @@ class Run:
         released = self._released()
         resume_s = 0.0
         if released:
-            resume_s += timed(self._engines_call, "resume_memory_occupation", list(SYNC_MEMORY_TAGS))[1]
-        timeout = self.job.fault.update_weights_timeout
-        metrics = self.trainer.update_weights(
-            transport_for(self.plan, self.engine_urls), str(version), timeout, self.pool.actor_infos()
-        )
-        if self.job.ci.check_weight_update_equal:
-            start = time.perf_counter()
-            checksums = self.trainer.call("checksums", self.trainer_engine_dtype())[0]
-            verify_engine_weights(self.engine_urls, checksums, expected_version=str(version))
-            metrics["perf/check_weight_update_time"] = time.perf_counter() - start
+            resume_s += timed(self._resume_engines, SYNC_MEMORY_TAGS)[1]
+        metrics = self._push_weights(self.engine_urls, version)
         if released:
-            resume_s += timed(self._engines_call, "resume_memory_occupation", list(GENERATION_MEMORY_TAGS))[1]
+            resume_s += timed(self._resume_engines, GENERATION_MEMORY_TAGS)[1]
             metrics["perf/engine_resume_time"] = resume_s
         self.engine_version = version
         if self._startup is not None:
@@ -328,17 +340,34 @@ class Run:
             self._startup = None
         return metrics
 
+    def _push_weights(self, urls: list[str], version: int) -> dict[str, float]:
+        """The trainer's weights to the engines at `urls` as `version` (with --check-weight-update-equal,
+        also perf/check_weight_update_time): through the HF directory of --update-weight-transport disk,
+        else the transport of the placement (external engines: SGLang's broadcast payloads)."""
+        from clawrl.config.engine import engine_dtype
+        from clawrl.weight_sync.cycle import Transport
+
+        m, timeout = self.job.model, self.job.fault.update_weights_timeout
+        verify = self.job.ci.check_weight_update_equal
+        if m.update_weight_transport == "disk":
+            return sync_from_disk(
+                self.trainer, urls, str(version), disk_dir=m.update_weight_disk_dir,
+                keep_files=m.update_weight_disk_keep_files, verify=verify, timeout_s=timeout,
+                export_dtype=engine_dtype("cpu" if self.plan.mode == "cpu" else "cuda"),  # what checksums use
+            )  # fmt: skip
+        if isinstance(self.pool, ExternalEnginePool):
+            kind = self.pool.weight_transport
+        else:
+            kind = "broadcast" if m.update_weight_transport == "distributed" else self.plan.weight_transport
+        return self.trainer.update_weights(Transport(kind=kind, engine_urls=urls), str(version), timeout,
+                                           self.pool.actor_infos(), verify=verify)  # fmt: skip
+
     def _released(self) -> bool:
         """Whether the engines released their memory for training (colocated with offload)."""
         return self.plan.mode == "colocate" and self.job.resources.offload_rollout
 
-    def _engines_call(self, route: str, *args) -> None:
-        engines_call(self.engine_urls, route, *args, timeout_s=self.job.fault.update_weights_timeout)
-
-    def trainer_engine_dtype(self):
-        import torch
-
-        return torch.float32 if self.plan.mode == "cpu" else torch.bfloat16
+    def _resume_engines(self, tags: tuple[str, ...]) -> None:
+        resume_engine_memory(self.engine_urls, tags, timeout_s=self.job.fault.update_weights_timeout)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         if not self.job.eval.eval_prompt_data or self.manager is None:
@@ -374,10 +403,10 @@ class Run:
                     "rollout state for the checkpoint",
                     self.job.fault.rollout_timeout,
                 )[0]
-            self.trainer.call("save", rollout_id, {"rollout": state, "job": redact(self.job.to_dict())})
+            self.trainer.save(rollout_id, {"rollout": state, "job": redact(self.job.to_dict())})
         if model.save_hf:
             path = save_hf_path(model.save_hf, rollout_id)
-            self.trainer.call("export_hf", path)
+            self.trainer.export_hf(path)
             logger.info("rollout %d: HF model written to %s", rollout_id, path)
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
@@ -396,9 +425,11 @@ class Run:
     def close(self) -> None:
         """Close everything that was opened, also after a failed start. On a normal end each part gets a
         minute and the first failure is raised; while an error propagates (a deadline fired, an actor died)
-        each gets a few seconds, failures are only logged, and the original error stays the one reported."""
+        each gets two seconds, failures are only logged, and the original error stays the one reported."""
         failing = sys.exc_info()[0] is not None
-        grace = 5.0 if failing else 60.0
+        # Failing: a healthy actor ends within a second; a stuck one (what the deadline caught) never answers
+        # and is killed when its grace runs out, so a short grace gets the error to the user sooner.
+        grace = 2.0 if failing else 60.0
         errors = []
         steps = [("health monitor", lambda: self.monitor and self.monitor.stop()),
                  ("metrics", lambda: self.metrics and self.metrics.close())]  # fmt: skip
@@ -407,7 +438,7 @@ class Run:
         if self.pool is not None:
             steps.append(("engines", lambda: self.pool.stop(grace)))
         if self.trainer is not None:
-            steps.append(("trainer", lambda: self.trainer.shutdown(2 * grace)))
+            steps.append(("trainer", lambda: self.trainer.shutdown(grace if failing else 2 * grace)))
         for what, step in steps:
             try:
                 step()
@@ -417,37 +448,55 @@ class Run:
                 errors.append(error)
         if self.manager is not None:
             ray.kill(self.manager, no_restart=True)
+        if self.reservation is not None:  # after every actor in it has ended
+            ray.util.remove_placement_group(self.reservation.group)
         if errors and not failing:
             raise errors[0]
 
 
-def engines_call(urls: list[str], route: str, *args, timeout_s: float = 300.0) -> None:
-    """Call one control route (release/resume memory, ...) on every engine, with a deadline each."""
-    from clawrl.engine.client import EngineClient
+def release_engine_memory(urls: list[str], tags: tuple[str, ...], *, timeout_s: float = 300.0) -> None:
+    """Every engine frees the memory of `tags` (colocated runs, before training), with a deadline each."""
+    from clawrl.engine.http.client import EngineClient
 
     for url in urls:
-        getattr(EngineClient(url, timeout=timeout_s), route)(*args)
+        EngineClient(url, timeout=timeout_s).release_memory_occupation(list(tags))
+
+
+def resume_engine_memory(urls: list[str], tags: tuple[str, ...], *, timeout_s: float = 300.0) -> None:
+    """Every engine takes back the memory of `tags`, with a deadline each."""
+    from clawrl.engine.http.client import EngineClient
+
+    for url in urls:
+        EngineClient(url, timeout=timeout_s).resume_memory_occupation(list(tags))
 
 
 def engine_config(job: JobConfig, plan: PlacementPlan, index: int) -> dict:
     """EngineConfig fields for engine `index` of the job."""
-    on_gpu, flags = plan.mode != "cpu", job.engine
+    from clawrl.engine.config import EngineConfig
+
+    device, flags = "cpu" if plan.mode == "cpu" else "cuda", job.engine
     # Without --rollout-max-prompt-len prompts may be as long as the model allows: its own context length.
     prompt_len, response_len = job.data.rollout_max_prompt_len, job.rollout.rollout_max_response_len
     context = prompt_len + (response_len or 1024) if prompt_len else None
     config = {
         "model_path": job.model.hf_checkpoint,
-        "device": "cuda" if on_gpu else "cpu",
-        "dtype": "bfloat16" if on_gpu else "float32",
+        "model_impl": "hf"
+        if job.model.model_impl == "hf"
+        else "auto",  # --model-impl hf: transformers in both
+        "device": device,
+        "dtype": engine_dtype(device),
         "mem_fraction_static": flags.sglang_mem_fraction_static or (0.4 if plan.mode == "colocate" else 0.85),
         "context_length": flags.sglang_context_length or context,
         "seed": job.rollout.rollout_seed + index,
-        "enable_cuda_graph": on_gpu and not flags.sglang_disable_cuda_graph,
+        "enable_cuda_graph": device == "cuda" and not flags.sglang_disable_cuda_graph,
         "enable_prefix_caching": not flags.sglang_disable_radix_cache,
         "attention_backend": flags.attention_backend,
+        "tp_size": plan.engine_tp_size,
+        **flags.sizing(),
     }
-    if flags.sglang_max_running_requests is not None:
-        config["max_running_requests"] = flags.sglang_max_running_requests
+    if flags.sglang_max_total_tokens is not None:
+        page = config.get("block_size", EngineConfig.__dataclass_fields__["block_size"].default)
+        config["num_kv_blocks"] = -(-flags.sglang_max_total_tokens // page)  # whole pages, rounded up
     return config
 
 
@@ -486,12 +535,6 @@ def _checks(job: JobConfig) -> list:
     return build_checks(job)
 
 
-def _check_fault_target(job: JobConfig, plan: PlacementPlan) -> None:
-    spec = job.fault.fault_injection
-    if spec and FaultSpec.parse(spec).engine >= plan.num_engines:
-        raise ConfigError(f"--fault-injection {spec!r}: the job has {plan.num_engines} engine(s)")
-
-
 def periodic(rollout_id: int, interval: int | None, num_rollout: int | None = None) -> bool:
     """slime's should_run_periodic_action: every `interval` rollouts, and at the last one if `num_rollout`."""
     if interval is None:
@@ -499,9 +542,3 @@ def periodic(rollout_id: int, interval: int | None, num_rollout: int | None = No
     if num_rollout is not None and rollout_id == num_rollout - 1:
         return True
     return (rollout_id + 1) % interval == 0
-
-
-def timed(fn, *args):
-    start = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - start

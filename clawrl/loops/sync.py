@@ -6,7 +6,8 @@ clawrl train --hf-checkpoint DIR --prompt-data train.jsonl --rollout-batch-size 
 from __future__ import annotations
 
 from clawrl.config.job import JobConfig
-from clawrl.loops.run import Run, periodic, timed
+from clawrl.loops.run import Run, periodic
+from clawrl.metrics.timer import timed
 
 
 def train(job: JobConfig) -> None:

@@ -299,7 +299,9 @@ def _import_summary_writer():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ImportError("--use-tensorboard needs `pip install tensorboard`") from None
+        raise ImportError(
+            "--use-tensorboard needs the tensorboard package: pip install 'clawrl[tensorboard]'"
+        ) from None
     return SummaryWriter
 
 
@@ -315,7 +317,7 @@ def _import_wandb():
     try:
         import wandb
     except ImportError:
-        raise ImportError("--use-wandb needs `pip install wandb`") from None
+        raise ImportError("--use-wandb needs the wandb package: pip install 'clawrl[wandb]'") from None
     return wandb
 
 

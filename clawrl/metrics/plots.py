@@ -19,7 +19,10 @@ from clawrl.metrics.progress import eval_names
 
 # Trainer timers that run inside the loop's "train" phase; stacking them on perf/train_time would count
 # that time twice, so they are left out of the step-time bars whenever perf/train_time was logged.
-TRAIN_INNER_PHASES = ("log_probs", "ref_log_probs", "actor_train", "data_preprocess")
+TRAIN_INNER_PHASES = ("log_probs", "ref_log_probs", "actor_train", "data_preprocess", "engine_release",
+                      "trainer_onload", "trainer_offload")  # fmt: skip
+# perf/rollout_<part>_time (clawrl/rollout/timeline.py) split perf/rollout_time the same way: never stacked.
+ROLLOUT_INNER_PREFIX = "rollout_"
 # Stacking order of the step-time bars (bottom first): the loop's phases in the order they run.
 PHASE_ORDER = (
     "rollout",
@@ -104,21 +107,62 @@ def plot_eval(run: Run) -> Figure | str:
     return _lines(run, "Eval", "score", [(f"eval/{n}", f"eval/{n}") for n in names], marker="o")
 
 
-def plot_kl(run: Run) -> Figure | str:
-    keys = run.metric_names()
-    curves = [(k, k) for k in ("train/ppo_kl", "train/kl_loss") if k in keys]
-    has_ref = {"rollout/log_probs", "rollout/ref_log_probs"} <= keys
-    if not curves and not has_ref:
-        return "none of train/ppo_kl, train/kl_loss, rollout/log_probs with rollout/ref_log_probs was logged"
-    fig, ax = _figure("KL", "value")
-    for key, label in curves:
-        ax.plot(*run.series(key), label=label)
-    if has_ref:
-        rows = [r for r in run.records if "rollout/log_probs" in r and "rollout/ref_log_probs" in r]
-        diff = [float(r["rollout/log_probs"]) - float(r["rollout/ref_log_probs"]) for r in rows]
-        ax.plot([r["step"] for r in rows], diff, label="rollout/log_probs - rollout/ref_log_probs")
+def _difference(run: Run, minuend: str, subtrahend: str) -> tuple[list[int], list[float]]:
+    """(steps, minuend - subtrahend) of the steps that logged both; ([], []) if none did."""
+    rows = [r for r in run.records if minuend in r and subtrahend in r]
+    return [r["step"] for r in rows], [float(r[minuend]) - float(r[subtrahend]) for r in rows]
+
+
+def _always_zero(values: list[float]) -> bool:
+    return bool(values) and all(v == 0 for v in values)
+
+
+def _series_plot(title: str, y_label: str, series: list[tuple[str, tuple[list[int], list[float]]]],
+                 missing: str) -> Figure | str:  # fmt: skip
+    """Lines for the logged series (label, (steps, values)); a series that is 0 at every step is left out
+    and named in the title, since a flat line at 0 shows nothing; if nothing else is left, the plot is
+    skipped with the reason (`missing` when no series was logged at all)."""
+    logged = [(label, xy) for label, xy in series if xy[0]]
+    if not logged:
+        return missing
+    zero = [label for label, (_, values) in logged if _always_zero(values)]
+    drawn = [(label, xy) for label, xy in logged if label not in zero]
+    if not drawn:
+        return f"{' and '.join(zero)}: 0 at every logged step, nothing to draw"
+    fig, ax = _figure(title, y_label)
+    if zero:
+        ax.set_title(f"{title}\n({', '.join(zero)}: 0 at every step, not drawn)", fontsize="medium")
+    for label, (steps, values) in drawn:
+        ax.plot(steps, values, label=label)
     ax.legend(loc="best")
     return fig
+
+
+def plot_kl(run: Run) -> Figure | str:
+    """The KL to the reference model. train/ppo_kl (to the weights that generated the rollout) is drawn only
+    where it moves: with one optimizer step per rollout it is 0 by construction."""
+    to_ref = _difference(run, "rollout/log_probs", "rollout/ref_log_probs")
+    series = [
+        ("train/kl_loss", run.series("train/kl_loss")),
+        ("rollout/log_probs - rollout/ref_log_probs", to_ref),
+        ("train/ppo_kl", run.series("train/ppo_kl")),
+    ]
+    missing = "none of train/kl_loss, rollout/log_probs with rollout/ref_log_probs, train/ppo_kl was logged"
+    return _series_plot("KL to the reference", "KL (nats per token)", series, missing)
+
+
+def plot_mismatch(run: Run) -> Figure | str:
+    """How far the trainer's log-probs of the sampled tokens are from the engine's (same weights)."""
+    abs_diff = "train/train_rollout_logprob_abs_diff"
+    series = [
+        (abs_diff, run.series(abs_diff)),
+        (
+            "rollout/log_probs - rollout/rollout_log_probs",
+            _difference(run, "rollout/log_probs", "rollout/rollout_log_probs"),
+        ),
+    ]
+    missing = "neither train/train_rollout_logprob_abs_diff nor rollout/rollout_log_probs was logged"
+    return _series_plot("Trainer vs engine log-probs", "log-prob difference (nats)", series, missing)
 
 
 def plot_entropy(run: Run) -> Figure | str:
@@ -145,7 +189,7 @@ def plot_response_length(run: Run) -> Figure | str:
 def step_time_phases(keys: set[str]) -> list[str]:
     """The perf/<phase>_time keys stacked in the step-time plot, bottom first: loop order, then by name."""
     phases = [k[len("perf/") : -len("_time")] for k in keys if k.startswith("perf/") and k.endswith("_time")]
-    phases = [p for p in phases if p != "step"]
+    phases = [p for p in phases if p != "step" and not p.startswith(ROLLOUT_INNER_PREFIX)]
     if "train" in phases:
         phases = [p for p in phases if p not in TRAIN_INNER_PHASES]
     rank = {phase: i for i, phase in enumerate(PHASE_ORDER)}
@@ -177,7 +221,8 @@ def plot_step_time(run: Run) -> Figure | str:
 PLOTS = (
     PlotSpec(name="reward", title="Reward", draw=plot_reward),
     PlotSpec(name="eval", title="Eval", draw=plot_eval),
-    PlotSpec(name="kl", title="KL", draw=plot_kl),
+    PlotSpec(name="kl", title="KL to the reference", draw=plot_kl),
+    PlotSpec(name="mismatch", title="Trainer vs engine log-probs", draw=plot_mismatch),
     PlotSpec(name="entropy", title="Entropy", draw=plot_entropy),
     PlotSpec(name="response_length", title="Response length", draw=plot_response_length),
     PlotSpec(name="step_time", title="Step time breakdown", draw=plot_step_time),

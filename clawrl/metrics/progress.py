@@ -1,4 +1,4 @@
-"""The one-line console summary of a rollout step.
+"""The one-line console summary of a rollout step, and the progress bar of a rollout in flight.
 
     [rollout 3/20] reward 0.40 | eval gsm8k 0.55 | kl 1.2e-03 ppo_kl 0.0e+00 | resp 57 tok |
         rollout 12.3s train 4.1s sync 0.2s eval 3.0s | 1.2k tok/s/gpu            (one line on the console)
@@ -13,11 +13,15 @@ rollout id 2 of 20). Each part appears only when its metrics were logged, always
   times    perf/rollout_time, perf/train_time, perf/update_weights_time ("sync"), perf/eval_time
   speed    perf/tokens_per_gpu_per_sec (slime's key): generation throughput per GPU, labelled "tok/s/gpu";
            on a CPU run the same key counts per engine process and is labelled "tok/s/engine"
+
+The progress bar (RolloutCounter, ProgressBar, format_bar) is described where it is defined, below.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from typing import TextIO
 
@@ -109,3 +113,127 @@ def _human(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.1f}{suffix}"
     return f"{value:.0f}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The progress bar of a rollout in flight.
+#
+#   rollout 3/20 |########------------| 12/32 samples 38% | 4.0 samples/s 512 tok/s | 3s, ETA 5s
+#
+# The rollout manager counts finished samples (RolloutCounter); the driver polls the counts about once a
+# second while it waits for the rollout and draws them (ProgressBar). On a terminal the bar is redrawn in
+# place (`\r`) at every poll and ends with a newline; elsewhere (CI logs, files) it prints a plain line at
+# most every `interval_s` seconds (`--progress-interval`, 30 by default, or "off"
+# for no bar), so a short rollout prints none and a long one a few. Lines start with "rollout", not
+# "[rollout", so they never read as the summary line above.
+
+DEFAULT_INTERVAL_S = 30.0
+BAR_WIDTH = 20
+
+
+class RolloutCounter:
+    """Samples finished in the current rollout, counted by the rollout manager, read from another thread."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state = (0, 0, 0, clock())  # done, total, response tokens, start time
+
+    def start(self, total: int) -> None:
+        """A rollout of `total` samples starts."""
+        with self._lock:
+            self._state = (0, total, 0, self._clock())
+
+    def add(self, samples) -> None:
+        """Samples finished (generated and rewarded); each counts its response tokens."""
+        tokens = sum(int(getattr(s, "response_length", 0) or 0) for s in samples)
+        with self._lock:
+            done, total, num_tokens, started = self._state
+            self._state = (done + len(samples), total, num_tokens + tokens, started)
+
+    def snapshot(self) -> dict[str, float]:
+        """{"done", "total", "tokens", "elapsed_s"} of the current rollout (plain types, for Ray)."""
+        with self._lock:
+            done, total, tokens, started = self._state
+        return {"done": done, "total": total, "tokens": tokens, "elapsed_s": self._clock() - started}
+
+
+def format_bar(
+    label: str, done: int, total: int, tokens: int, elapsed_s: float, width: int = BAR_WIDTH
+) -> str:
+    """One progress line (see the section comment). Samples past `total` (over-sampling) show as `total`;
+    rates and the ETA appear once a sample has finished."""
+    shown = min(done, total)
+    fraction = shown / total if total > 0 else 0.0
+    filled = round(fraction * width)
+    parts = [f"{label} |{'#' * filled}{'-' * (width - filled)}| {shown}/{total} samples {fraction:.0%}"]
+    if done > 0 and elapsed_s > 0:
+        rate = done / elapsed_s
+        eta = (total - shown) / rate
+        parts.append(f"{rate:.1f} samples/s {_human(tokens / elapsed_s)} tok/s")
+        parts.append(f"{format_duration(elapsed_s)}, ETA {format_duration(eta)}")
+    else:
+        parts.append(format_duration(elapsed_s))
+    return " | ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    """4.4 -> "4s", 125 -> "2m05s", 3725 -> "1h02m"."""
+    total = round(max(seconds, 0.0))
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m{total % 60:02d}s"
+    return f"{total // 3600}h{total % 3600 // 60:02d}m"
+
+
+class ProgressBar:
+    """Draws a rollout's counts: in place on a terminal, as spaced plain lines elsewhere (section comment)."""
+
+    def __init__(self, label: str, *, file: TextIO | None = None, interval_s: float | None = DEFAULT_INTERVAL_S,
+                 tty: bool | None = None, clock=time.monotonic) -> None:  # fmt: skip
+        self.label = label
+        self.file = file or sys.stdout
+        self.tty = self.file.isatty() if tty is None else tty
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last_line_at = clock()  # plain lines: the first comes one interval after the start
+        self._drawn = ""
+
+    def update(self, counts: Mapping[str, float], *, final: bool = False) -> None:
+        """Show `counts` (RolloutCounter.snapshot()) if it is time to. `final`: the rollout's last counts;
+        off a terminal they are printed when the rollout lasted at least one interval (a short rollout
+        stays silent, a long one ends with its totals)."""
+        if self.interval_s is None:
+            return
+        line = format_bar(self.label, int(counts["done"]), int(counts["total"]), int(counts["tokens"]),
+                          float(counts["elapsed_s"]))  # fmt: skip
+        if self.tty:
+            pad = " " * max(len(self._drawn) - len(line), 0)  # wipe the rest of a longer earlier line
+            self.file.write(f"\r{line}{pad}")
+            self.file.flush()
+            self._drawn = line
+        elif (final and float(counts["elapsed_s"]) >= self.interval_s) or (
+            self._clock() - self._last_line_at >= self.interval_s
+        ):
+            print(line, file=self.file, flush=True)
+            self._last_line_at = self._clock()
+
+    def close(self) -> None:
+        """End the bar's line on a terminal, so what is printed next starts on a line of its own."""
+        if self.tty and self._drawn:
+            self.file.write("\n")
+            self.file.flush()
+            self._drawn = ""
+
+
+def poll_rollout_progress(manager, bar: ProgressBar, timeout_s: float = 2.0, *, final: bool = False) -> None:
+    """Ask the rollout manager actor for its counts and update `bar` (`final`: the rollout has ended); a slow
+    or failed answer only skips this update (the wait for the rollout itself has its own deadline)."""
+    import ray
+
+    try:
+        counts = ray.get(manager.progress.remote(), timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+        return
+    bar.update(counts, final=final)

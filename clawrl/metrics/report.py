@@ -3,9 +3,10 @@
     clawrl report outputs/run1                 # writes outputs/run1/report/{*.png, index.html}
     build_report("outputs/run1", out_dir=None) # the same from Python; returns the index.html path
 
-Plots (clawrl/metrics/plots.py): reward, eval, KL, entropy, response length, step-time breakdown. A plot
-whose metrics were never logged is skipped and the page says why; a missing or empty metrics.jsonl, or a
-malformed line, raises MetricsFileError naming the file (and line).
+Plots (clawrl/metrics/plots.py): reward, eval, KL to the reference, trainer vs engine log-probs, entropy,
+response length, step-time breakdown. A plot whose metrics were never logged, or were 0 at every step, is
+skipped and the page says why; a missing or empty metrics.jsonl, or a malformed line, raises
+MetricsFileError naming the file (and line).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Timers: named wall-clock timers for the phases of a rollout step, popped as perf/<name>_time metrics.
+"""Timing, in one place: `timed` for one call, `Timers` for named phases popped as perf/<name>_time metrics.
+
+    out, seconds = timed(fn, *args)          # one call's wall time (the loops' perf/rollout_time, ...)
 
     timers = Timers(cuda_sync=True)
     with timers("rollout"):
@@ -7,7 +9,8 @@
     def sync(): ...
     metrics.update(timers.pop())   # {"perf/rollout_time": s, "perf/update_weights_time": s, "perf/step_time": s}
 
-A name timed several times within a step accumulates. `perf/step_time` is the wall time from the first
+A name timed several times within a step accumulates; `totals()` reads the sums without the step time
+(the trainer's per-phase times). `perf/step_time` is the wall time from the first
 timer started since the last pop() to this pop(), so it includes untimed work between phases (the sum of
 the phase times can be smaller). With cuda_sync, every start, stop and pop first waits for queued CUDA work
 (torch.cuda.synchronize) so asynchronous kernels are charged to the phase that launched them; without a
@@ -19,6 +22,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import ContextDecorator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Timers:
@@ -53,6 +59,10 @@ class Timers:
         self._totals[name] = self._totals.get(name, 0.0) + elapsed
         return elapsed
 
+    def totals(self) -> dict[str, float]:
+        """{name: seconds} accumulated since the last pop (running timers not included)."""
+        return dict(self._totals)
+
     def pop(self) -> dict[str, float]:
         """{"perf/<name>_time": s for each timer, "perf/step_time": s} since the last pop; then reset."""
         if self._running:
@@ -86,3 +96,10 @@ def _cuda_synchronize_fn() -> Callable[[], None] | None:
     import torch
 
     return torch.cuda.synchronize if torch.cuda.is_available() else None
+
+
+def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """(fn(*args), wall seconds it took). No CUDA sync: the callers time calls that wait for their results."""
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start

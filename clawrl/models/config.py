@@ -1,4 +1,5 @@
-"""ModelArgs: the architecture of a Qwen2/Qwen2.5, Qwen3 or Llama decoder, read from a HF `config.json`.
+"""ModelArgs: the architecture of a Qwen2/Qwen2.5, Qwen3, Llama, Qwen3-MoE or Qwen2-MoE decoder, read from a HF
+`config.json`.
 
 `load_model_args(model_dir)` reads `config.json` (and the EOS ids of `generation_config.json`, which is
 what `transformers` `generate` stops on). Both the transformers 4.x layout (`rope_theta` + `rope_scaling`,
@@ -15,10 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
 """HF `model_type` values the native decoder implements."""
 
-_HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+"""The mixture-of-experts members of SUPPORTED_ARCHS (router + experts in place of some MLPs)."""
+
+_HF_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 _REQUIRED_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -34,7 +44,7 @@ class ModelArgs:
     """Architecture of one decoder-only model (everything needed to build it; no weights)."""
 
     arch: str
-    """HF model_type: "qwen2" (Qwen2 and Qwen2.5), "qwen3" or "llama"."""
+    """HF model_type: "qwen2" (Qwen2 and Qwen2.5), "qwen3", "llama", "qwen3_moe" or "qwen2_moe"."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
@@ -74,6 +84,22 @@ class ModelArgs:
     """Token ids that end generation (config.json and generation_config.json, in that order)."""
     torch_dtype: str = "float32"
     """Dtype the checkpoint was saved in ("bfloat16", "float16", "float32")."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (HF num_experts / num_local_experts); 0 = a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (the router's top-k)."""
+    moe_intermediate_size: int = 0
+    """Width of one routed expert's gated SiLU MLP."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to 1 (else they are the raw softmax values)."""
+    decoder_sparse_step: int = 1
+    """Layer i is an MoE layer when (i + 1) % decoder_sparse_step == 0 (and i is not in mlp_only_layers)."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """Layer indices that keep a dense MLP of intermediate_size in an MoE model."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the always-on shared expert of Qwen2-MoE (sigmoid-gated); 0 = none (Qwen3-MoE)."""
+    router_aux_loss_coef: float = 0.0
+    """HF router_aux_loss_coef: the weight transformers gives the load-balancing loss (clawrl logs it)."""
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -89,6 +115,30 @@ class ModelArgs:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelArgs.head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.arch in MOE_ARCHS:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelArgs.{name}={getattr(self, name)} must be > 0 for arch={self.arch!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"ModelArgs.num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """True for the mixture-of-experts architectures."""
+        return self.arch in MOE_ARCHS
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` has a router and experts (transformers' rule) or a dense MLP."""
+        return (
+            self.is_moe
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> ModelArgs:
@@ -121,14 +171,16 @@ class ModelArgs:
                 rope_scaling=scaling,
                 max_position_embeddings=cfg.get("max_position_embeddings", 4096),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                # Qwen2 hard-codes bias on q/k/v (not o); Llama and Qwen3 use attention_bias for all four.
-                qkv_bias=True if arch == "qwen2" else attention_bias,
-                qk_norm=arch == "qwen3",
-                attention_bias=False if arch == "qwen2" else attention_bias,
+                # Qwen2 hard-codes bias on q/k/v (not o), Qwen2-MoE reads it from qkv_bias (default on);
+                # Llama, Qwen3 and Qwen3-MoE use attention_bias for all four.
+                qkv_bias=_qkv_bias(arch, cfg, attention_bias),
+                qk_norm=arch in ("qwen3", "qwen3_moe"),
+                attention_bias=False if arch in ("qwen2", "qwen2_moe") else attention_bias,
                 mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "llama" else False,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
                 torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+                **(_moe_fields(cfg) if arch in MOE_ARCHS else {}),
             )
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
@@ -158,10 +210,27 @@ class ModelArgs:
             "eos_token_id": _from_id_list(self.eos_token_ids),
             "dtype": self.torch_dtype,
         }
-        if self.arch != "qwen2":
+        if self.arch not in ("qwen2", "qwen2_moe"):
             cfg["attention_bias"] = self.attention_bias
         if self.arch == "llama":
             cfg["mlp_bias"] = self.mlp_bias
+        if self.is_moe:
+            cfg.update(self._moe_hf_fields())
+        return cfg
+
+    def _moe_hf_fields(self) -> dict[str, Any]:
+        cfg = {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+        }
+        if self.arch == "qwen2_moe":
+            cfg["qkv_bias"] = self.qkv_bias
+            cfg["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return cfg
 
 
@@ -199,6 +268,30 @@ def _from_id_list(ids: list[int]) -> int | list[int] | None:
     if not ids:
         return None
     return ids[0] if len(ids) == 1 else list(ids)
+
+
+def _qkv_bias(arch: str, cfg: dict[str, Any], attention_bias: bool) -> bool:
+    if arch == "qwen2":
+        return True
+    if arch == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", True))
+    return attention_bias
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE keys of a Qwen3-MoE / Qwen2-MoE config.json (transformers 5 writes Qwen3-MoE's expert
+    count as `num_local_experts`, 4.x as `num_experts`; both are read)."""
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    return {
+        "num_experts": int(num_experts or 0),
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []],
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
+        "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef") or 0.0),
+    }
 
 
 def _reject_unsupported_features(cfg: dict[str, Any], source: str) -> None:

@@ -1,4 +1,5 @@
-"""CausalLM: the Qwen2/Qwen2.5, Qwen3 and Llama decoder family, once, with HF parameter names.
+"""CausalLM: the Qwen2/Qwen2.5, Qwen3 and Llama decoder family, once, with HF parameter names; Qwen3-MoE and
+Qwen2-MoE swap the MLP of their MoE layers for clawrl.models.moe.SparseMoeBlock.
 
 The same module serves both execution modes: the trainer runs it over
 packed full sequences (`VarlenAttention`, autograd), the engine over a paged KV cache (its own
@@ -24,6 +25,7 @@ from clawrl.models.attention import AttentionBackend
 from clawrl.models.config import ModelArgs
 from clawrl.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, TrainKernelSwitch, apply_rotary_qk
 from clawrl.models.loader import PackedWeightLoader, default_weight_loader
+from clawrl.models.moe import SparseMoeBlock
 
 
 class Attention(TrainKernelSwitch, nn.Module):
@@ -81,7 +83,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_idx, fused=fused)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, fused=fused)
+        self.mlp: nn.Module
+        if args.is_moe_layer(layer_idx):
+            self.mlp = SparseMoeBlock(args, fused=fused)
+        else:
+            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, fused=fused)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
@@ -95,7 +101,13 @@ class DecoderModel(nn.Module):
 
     def __init__(self, args: ModelArgs, *, fused: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # nn.Embedding's own normal_ init on the meta device (where models are built before loading a
+        # checkpoint) imports torch._dynamo: ~1.5 s of every engine and trainer start. Pass the table and
+        # initialise it only when it holds real memory.
+        table = torch.empty(args.vocab_size, args.hidden_size)
+        if not table.is_meta:
+            nn.init.normal_(table)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(args, i, fused=fused) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -146,6 +158,8 @@ class CausalLM(nn.Module):
         # drops attributes such as `weight_loader` and unties lm_head from the embedding. Restore both.
         super()._apply(fn, recurse)
         self._tie_and_attach_loaders()
+        if getattr(self, "tp_shard", None) is not None:  # a tensor-parallel shard (clawrl/models/tp.py)
+            self.tp_shard.attach_loaders(self)  # keeps this rank's slice of the full tensors it is given
         return self
 
     def _tie_and_attach_loaders(self) -> None:
@@ -155,11 +169,14 @@ class CausalLM(nn.Module):
             param.weight_loader = default_weight_loader
         if not self.fused:
             return
-        intermediate = self.args.intermediate_size
         for layer in self.model.layers:
             qkv_loader = PackedWeightLoader(layer.self_attn.qkv_shard_offsets())
-            gate_up_loader = PackedWeightLoader({0: (0, intermediate), 1: (intermediate, intermediate)})
             for param in layer.self_attn.qkv_proj.parameters():
                 param.weight_loader = qkv_loader
-            for param in layer.mlp.gate_up_proj.parameters():
-                param.weight_loader = gate_up_loader
+        # Every gated MLP (the dense one, each routed expert, a shared expert) packs [gate; up] its own size.
+        for mlp in self.modules():
+            if isinstance(mlp, GatedMLP):
+                intermediate = mlp.down_proj.in_features
+                gate_up_loader = PackedWeightLoader({0: (0, intermediate), 1: (intermediate, intermediate)})
+                for param in mlp.gate_up_proj.parameters():
+                    param.weight_loader = gate_up_loader

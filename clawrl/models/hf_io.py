@@ -73,7 +73,10 @@ def load_model(
 
 def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """The model's tensors under HF names: packed parameters split back into q/k/v and gate/up (views,
-    no copy); a tied model's lm_head.weight left out, as transformers' own save does."""
+    no copy); a tied model's lm_head.weight left out, as transformers' own save does. A transformers model
+    (the engine's path for other architectures) gives its parameters, a tied head once, under its names."""
+    if not isinstance(model, CausalLM):
+        return {name: param.detach() for name, param in model.named_parameters()}
     # getattr: parameters replaced by a wrapper (FSDP2's DTensor parameters) no longer carry the hook;
     # only packed parameters need it here, and an FSDP-wrapped trainer model is un-fused.
     loaders = {

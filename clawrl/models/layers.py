@@ -112,7 +112,8 @@ class RotaryEmbedding(nn.Module):
         self.theta, self.scaling = theta, scaling
         self.register_buffer("cos_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.register_buffer("sin_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
-        self.reset_cache()
+        if not self.cos_cache.is_meta:  # meta-built models compute them in to_empty (meta math costs ~1.5 s)
+            self.reset_cache()
 
     def reset_cache(self) -> None:
         """(Re)compute the tables on the buffers' device, e.g. after `to_empty()` from the meta device."""

@@ -32,7 +32,9 @@ TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response
 NUM_BYTE_TOKENS = 256
 MIN_VOCAB_SIZE = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS) + len(TAG_TOKENS)
 MAX_VOCAB_SIZE = 65536
-TINY_ARCHS = ("qwen2", "qwen3", "llama")
+TINY_ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mistral", "gemma")
+"""Architectures build_tiny_model writes; mistral and gemma have no native clawrl implementation (the
+engine serves them through transformers, the trainer with --model-impl hf)."""
 
 # Pre-tokenizer split, applied after NFC normalisation: contractions, words (with one leading non-letter),
 # ONE digit at a time, punctuation runs, newline runs, other whitespace; byte-level mapping comes after it.
@@ -197,11 +199,18 @@ def check_tiny_model_args(
         )
 
 
+_MOE_PREFIXES = ("num_experts", "moe_", "norm_topk", "shared_expert")
+
+
 def _make_config(arch: str, tokenizer: PreTrainedTokenizerFast, **fields):
     """A transformers config of `arch` with ids from the tokenizer and head_dim set explicitly."""
     from transformers import AutoConfig
 
     extra = {"attention_bias": False, "mlp_bias": False} if arch == "llama" else {}
+    if arch not in ("qwen3_moe", "qwen2_moe"):
+        fields = {k: v for k, v in fields.items() if not k.startswith(_MOE_PREFIXES)}
+    elif arch == "qwen3_moe":
+        fields = {k: v for k, v in fields.items() if k != "shared_expert_intermediate_size"}
     pad_id = tokenizer.pad_token_id
     return AutoConfig.for_model(
         arch,
@@ -234,11 +243,16 @@ def build_tiny_model(
     rope_theta: float = 10000.0,
     seed: int = 0,
     tokenizer: PreTrainedTokenizerFast | None = None,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
 ) -> Path:
     """Write a complete HF model directory with random weights (seeded) to `out_dir`; returns its path.
 
     `tokenizer` defaults to `build_tiny_tokenizer(vocab_size)`; the embedding has `vocab_size` rows, which
     must be at least `len(tokenizer)` (extra rows are never produced by the tokenizer, like Qwen's padding).
+    The MoE arguments apply to "qwen3_moe" (every layer routed, top-k renormalised, like Qwen3-30B-A3B) and
+    "qwen2_moe" (plus a shared expert of `intermediate_size`); the dense architectures ignore them.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -267,6 +281,11 @@ def build_tiny_model(
         tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=max_position_embeddings,
         rope_theta=float(rope_theta),
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=arch == "qwen3_moe",
+        shared_expert_intermediate_size=intermediate_size,
     )
     with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG stream
         torch.manual_seed(seed)

@@ -10,7 +10,7 @@ The model uses them only after `clawrl.models.layers.enable_train_kernels(model)
 enabled device types (CUDA; CPU under the Triton interpreter for tests). The engine never calls them.
 
 Numerics. The forward kernels round like the eager ops they replace (the convention of
-clawrl/engine/triton_ops.py), so the trainer's forward stays equal to the eager model up to reduction order:
+clawrl/engine/runner/triton_ops.py), so the trainer's forward stays equal to the eager model up to reduction order:
 - RMSNorm: fp32 statistics; the normalised value is rounded to x's dtype before the weight product (HF).
 - SiLU-and-mul: silu(gate) is rounded to the activation dtype before the product with up.
 - RoPE: cos/sin rounded to the activation dtype, every product and sum rounded like eager

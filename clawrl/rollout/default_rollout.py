@@ -40,6 +40,7 @@ from clawrl.rollout.filters import DynamicFilterOutput
 from clawrl.rollout.hooks import GenerateFunctions
 from clawrl.rollout.rewards import RewardFunction, batched_reward, compute_reward
 from clawrl.rollout.router import EngineRouterError
+from clawrl.rollout.timeline import RolloutTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -56,17 +57,23 @@ class GroupGenerator:
     """The configured generate function and per-sample overrides."""
     reward_fn: RewardFunction | None
     """The reward function; None when the generate function sets rewards itself."""
+    timeline: RolloutTimeline | None = None
+    """Set by the RolloutManager while a training rollout runs: each training sample's timestamps go there."""
 
     async def sample(self, sample: Sample, sampling_params: dict[str, Any], evaluation: bool) -> list[Sample]:
         """Generate (one Sample, or several from a fan-out generate function), then reward what needs it."""
+        timeline, sent = (None if evaluation else self.timeline), time.monotonic()
         gen = self.generate_fns.for_sample(sample)
         if sample.status in (Status.COMPLETED, Status.TRUNCATED):  # finished in an earlier rollout
             samples = [sample]
         else:
             samples = await gen(self.args, sample, sampling_params, evaluation)
+        generated = time.monotonic()
         # As slime: aborted samples get no reward; a reward set during generation (agents) is kept.
         todo = [s for s in samples if s.status != Status.ABORTED and s.reward is None]
         if not todo:
+            if timeline is not None:
+                timeline.add(sent, generated)
             return samples
         if self.reward_fn is None:
             raise ValueError(
@@ -80,6 +87,8 @@ class GroupGenerator:
                 todo, await batched_reward(todo, self.reward_fn, args=self.args), strict=True
             ):
                 s.reward = reward
+        if timeline is not None:
+            timeline.add(sent, generated, time.monotonic())
         return samples
 
     async def group(

@@ -47,6 +47,7 @@ from clawrl.data.dataset import PromptDataset
 from clawrl.data.sample import Sample, Status
 from clawrl.data.source import PromptSource
 from clawrl.data.train_batch import TrainBatch
+from clawrl.metrics.progress import RolloutCounter
 from clawrl.rollout.context import RolloutContext, reset_rollout_context, set_rollout_context
 from clawrl.rollout.data_source import RolloutDataSource
 from clawrl.rollout.default_rollout import GroupGenerator, collect_train_groups, generate_eval_samples
@@ -71,6 +72,7 @@ from clawrl.rollout.partial import (
 )
 from clawrl.rollout.rewards import build_reward_fn
 from clawrl.rollout.router import EngineRouter
+from clawrl.rollout.timeline import RolloutTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,8 @@ class RolloutManager:
         self._retried_before = 0  # router.num_retried when the current rollout started
         self._cursor_before: dict[int, dict[str, Any]] = {}
         self.last_samples: list[Sample] = []
+        self.counter = RolloutCounter()
+        """Samples finished in the rollout in flight, for the driver's progress bar (`progress()`)."""
         """The samples of the latest `generate`, in batch order (weight versions, text, metadata)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -196,6 +200,7 @@ class RolloutManager:
         # already in flight (train-async) must resume at k+1's prompts, not after them.
         self._cursor_before = {k: v for k, v in self._cursor_before.items() if k >= rollout_id - 1}
         self._cursor_before[rollout_id] = {"data_source": self.data_source.state_dict()}
+        self.counter.start(self.job.rollout.rollout_batch_size * self.job.rollout.n_samples_per_prompt)
         return self._run(self._generate(rollout_id), f"generate(rollout_id={rollout_id})")
 
     def num_rollout_for_epochs(self) -> int:
@@ -226,6 +231,11 @@ class RolloutManager:
             logger.warning("fault injection: engine %s %s with requests in flight", url, mode)
 
         self._run(_call_soon(self.router.arm_fault, url, fire), "arm_fault()", timeout_s=30.0)
+
+    def progress(self) -> dict[str, float]:
+        """{"done", "total", "tokens", "elapsed_s"} of the rollout in flight (callable while it runs); samples
+        are counted by the default rollout loop, not inside a custom --rollout-function-path."""
+        return self.counter.snapshot()
 
     def router_stats(self) -> dict[str, dict[str, int]]:
         """Per engine URL: requests outstanding now and served so far (callable while a rollout runs)."""
@@ -298,6 +308,7 @@ class RolloutManager:
         ctx = self._context()
         partial = PartialStats()
         token = set_rollout_context(ctx)
+        timeline = self.generator.timeline = RolloutTimeline(started=started)
         try:
             if self.rollout_fn is not None:
                 result = await call_rollout_fn(
@@ -313,17 +324,20 @@ class RolloutManager:
                 producer = self.generator.generate_fns.default.flag
         finally:
             reset_rollout_context(token)
+            self.generator.timeline = None
         batch, raw_rewards, groups = self._to_batch(rollout_id, groups, producer)
         self.last_samples = [s for g in groups for s in g]
+        ended = time.monotonic()
         metrics = rollout_metrics(
             groups,
             raw_rewards,
             estimator=self.job.algo.advantage_estimator,
             drops=drops,
             num_aborted_samples=num_aborted,
-            rollout_time_s=time.monotonic() - started,
+            rollout_time_s=ended - started,
             num_rollout_devices=self.num_rollout_devices,
         )
+        metrics.update(timeline.metrics(ended))  # where the rollout's time went (clawrl/rollout/timeline.py)
         metrics.update(self._staleness(rollout_id, self.last_samples, partial))
         if self.router.fault_tolerant:
             metrics["rollout/requests_retried"] = float(self.router.num_retried - self._retried_before)
@@ -348,7 +362,7 @@ class RolloutManager:
             target=r.rollout_batch_size,
             over_sampling=self.over_sampling_batch_size,
             get_groups=get_groups,
-            run_group=lambda group: self.generator.group(group, params, evaluation=False),
+            run_group=lambda group: self._counted_group(group, params),
             judge=self._judge,
             ctx=ctx,
             abort_timeout_s=self.abort_timeout_s,
@@ -357,6 +371,17 @@ class RolloutManager:
         if collected.leftovers:
             requeue(collected.leftovers, rollout_id, self.data_source.add_samples, partial)
         return collected
+
+    async def _counted_group(self, group: list[Sample], params: dict[str, Any]) -> list[Sample]:
+        """GroupGenerator.group, counting each sample into the progress as soon as it is rewarded."""
+
+        async def one(sample: Sample) -> list[Sample]:
+            samples = await self.generator.sample(sample, params, evaluation=False)
+            self.counter.add(samples)
+            return samples
+
+        results = await asyncio.gather(*(one(s) for s in group))
+        return [s for samples in results for s in samples]
 
     def _policy_version(self, rollout_id: int) -> int | None:
         """The trainer's weight version when it trains rollout `rollout_id` (None: no trainer)."""

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from clawrl.engine.client import AsyncEngineClient, EngineClientError
+from clawrl.engine.http.client import AsyncEngineClient, EngineClientError
 
 # Sessions remembered for affinity; the oldest are forgotten first (a session only matters while it runs).
 _MAX_SESSIONS = 100_000

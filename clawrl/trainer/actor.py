@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +29,18 @@ import torch
 import torch.distributed as dist
 
 from clawrl.algo.tis import vanilla_tis_function
+from clawrl.config.engine import engine_dtype
 from clawrl.config.job import JobConfig
 from clawrl.config.plugins import load_function
 from clawrl.data.train_batch import TrainBatch
+from clawrl.metrics.timer import Timers
 from clawrl.models.config import load_model_args
 from clawrl.models.decoder import CausalLM
 from clawrl.models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_hf_dir, load_model, source_dtype
 from clawrl.models.layers import enable_train_kernels
 from clawrl.models.loader import iter_safetensors, load_weights
 from clawrl.models.lora import apply_lora
+from clawrl.models.moe import moe_aux_loss_metric, record_router_logits
 from clawrl.trainer import checkpoint as ckpt
 from clawrl.trainer.critic import Critic
 from clawrl.trainer.distributed import all_reduce_sum, free_port, init_distributed
@@ -48,7 +50,6 @@ from clawrl.trainer.loss import LossFunction
 from clawrl.trainer.offload import HostOffload
 from clawrl.trainer.optim import LRSchedule, build_adamw, clip_grad_norm
 from clawrl.trainer.rl_step import (
-    Stopwatch,
     compute_advantages,
     compute_log_probs,
     forward_log_probs,
@@ -121,7 +122,7 @@ class TrainActor:
             model = load_hf_model(model_cfg.hf_checkpoint, device=self.device)
         else:
             model = load_model(model_cfg.hf_checkpoint, fused=False, device=self.device, dtype=torch.float32)
-            if os.environ.get("CLAWRL_TRAIN_KERNELS", "1") != "0":  # fused RMSNorm/SiLU/RoPE on CUDA
+            if self.job.train.train_kernels == "triton":  # fused RMSNorm/SiLU/RoPE on CUDA tensors only
                 enable_train_kernels(model)
         if self.lora is not None:  # before FSDP: its units shard the frozen base and the adapters alike
             apply_lora(model, self.lora)
@@ -180,7 +181,7 @@ class TrainActor:
             raise RuntimeError(
                 "TrainActor.train() called while the trainer is offloaded: call onload() first"
             )
-        watch = Stopwatch(self.device)
+        watch = Timers(cuda_sync=self.device.type == "cuda")  # GPU work charged to the phase that queued it
         steps = self._plan(batch)
         my_ids = [i for s in steps for i in (s.sample_ids[j] for j in s.plan.samples_of(self.rank))]
         algo = self.job.algo
@@ -225,12 +226,11 @@ class TrainActor:
                 advantages=advantages,
                 returns=returns,
             )
-        metrics.update({f"perf/{k}_time": v for k, v in watch.times.items()})
+        times = watch.totals()
+        metrics.update({f"perf/{k}_time": v for k, v in times.items()})
         num_tokens = sum(batch.total_lengths)
-        if "actor_train" in watch.times:  # not in ppo's critic-only rollouts (--num-critic-only-steps)
-            metrics["perf/actor_train_tok_per_s"] = (
-                num_tokens * len(steps) / max(watch.times["actor_train"], 1e-9)
-            )
+        if "actor_train" in times:  # not in ppo's critic-only rollouts (--num-critic-only-steps)
+            metrics["perf/actor_train_tok_per_s"] = num_tokens * len(steps) / max(times["actor_train"], 1e-9)
         self.rollout_id_next = batch.rollout_id + 1
         return metrics
 
@@ -299,15 +299,21 @@ class TrainActor:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = {}
         mbs = micro_batches(batch, step, self.rank, self.device, per_token)
+        step_tokens = sum(batch.total_lengths[i] for i in step.sample_ids)
         for mb_index, (mb, is_last) in enumerate(_with_last(mbs)):
             self._defer_grad_sync(until_last=is_last)
-            if self.loss_fn.wants_logits:
-                entropy = None
-                logits = forward_logits(self.model, mb, temperature)
-                loss, metrics = self.loss_fn.custom(mb, logits, step.counts)
-            else:
-                log_probs, entropy = forward_log_probs(self.model, mb, temperature, with_entropy=True)
-                loss, metrics = self.loss_fn(mb, log_probs, entropy, step.counts)
+            with record_router_logits(self.model) as router_logits:  # MoE models only; logged, not trained
+                if self.loss_fn.wants_logits:
+                    entropy = None
+                    logits = forward_logits(self.model, mb, temperature)
+                    loss, metrics = self.loss_fn.custom(mb, logits, step.counts)
+                else:
+                    log_probs, entropy = forward_log_probs(self.model, mb, temperature, with_entropy=True)
+                    loss, metrics = self.loss_fn(mb, log_probs, entropy, step.counts)
+            share = 0.0 if mb.is_dummy else mb.input_ids_N.numel() / step_tokens  # token-weighted step mean
+            aux = moe_aux_loss_metric(self.model, router_logits, share)
+            if aux is not None:
+                metrics["moe_aux_loss"] = aux
             if recorder is not None:
                 recorder.add_micro_batch(step_index, mb_index, mb, entropy)
             # FSDP averages gradients over ranks; the loss terms are already global sums, so undo the mean.
@@ -382,8 +388,9 @@ class TrainActor:
 
     @property
     def engine_dtype(self) -> torch.dtype:
-        """Dtype the engines run in (bf16 on GPU, fp32 on CPU): weights are converted before they are sent."""
-        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        """Dtype the engines run in (clawrl.config.engine.engine_dtype): weights are converted to it before
+        they are sent."""
+        return getattr(torch, engine_dtype(self.device.type))
 
     def weight_buckets(self, dtype: torch.dtype | None = None):
         """Buckets of (HF name, full tensor) of at most --update-weight-buffer-size bytes (collective).

@@ -10,7 +10,6 @@ Legend: M = response tokens of a micro-batch; per-sample tensors live in dicts k
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -135,31 +134,3 @@ def per_sample_mean(values: dict[int, torch.Tensor], batch: TrainBatch, device) 
         total[1] += 1
     all_reduce_sum(total)
     return float(total[0] / total[1].clamp(min=1.0))
-
-
-class Stopwatch:
-    """Accumulates named wall-clock durations (synchronising CUDA so GPU work is counted)."""
-
-    def __init__(self, device):
-        self.device, self.times = device, {}
-
-    def __call__(self, name):
-        return _Timed(self, name)
-
-
-class _Timed:
-    def __init__(self, watch, name):
-        self.watch, self.name = watch, name
-
-    def __enter__(self):
-        _sync(self.watch.device)
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        _sync(self.watch.device)
-        self.watch.times[self.name] = self.watch.times.get(self.name, 0.0) + time.perf_counter() - self.start
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -1,4 +1,5 @@
-"""The weight-sync interface: one sender per sync target, whatever the transport.
+"""The weight-sync interface: one sender per sync target, whatever the transport (interface only: the
+transports subclass WeightSender in their own modules and register in clawrl/weight_sync/__init__.py).
 
     sender = make_sender("colocated", engine_urls=urls)    # or "broadcast" (split placement)
     sender.begin("3")                    # every engine pauses generation (requests in flight wait)
@@ -12,6 +13,8 @@ Only trainer rank 0 sends. `send` returns once the bucket is handed to the trans
 bucket k. A bucket's memory (shared-memory segment, CUDA buffer) is kept until every engine has
 acknowledged it. Each engine gets its requests from one thread, in order.
 
+`push_weights` (cycle.py) runs these steps for one sync on a trainer rank, and the optional checksum check.
+
 Every wait has a deadline (`timeout_s`); every failure is a WeightSyncError naming the engine URL and the
 bucket. After a failure the engines stay paused with partly updated weights: the job must stop, not
 generate with them.
@@ -21,20 +24,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ipaddress
-import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
 DEFAULT_TIMEOUT_S = 120.0
 """Deadline of each step of a sync (HTTP call, collective); below the engine's 300 s step watchdog."""
-KINDS = ("colocated", "broadcast")
 
 
 class WeightSyncError(RuntimeError):
@@ -253,46 +252,6 @@ def bucket_label(index: int, bucket: Sequence[tuple[str, torch.Tensor]]) -> str:
 
 
 def _http_client(url: str, *, timeout: float) -> Any:
-    from clawrl.engine.client import EngineClient
+    from clawrl.engine.http.client import EngineClient
 
     return EngineClient(url, timeout=timeout)
-
-
-def make_sender(kind: str, **kwargs: Any) -> WeightSender:
-    """A sender of `kind` ("colocated" | "broadcast"); kwargs go to its constructor (engine_urls connects)."""
-    if kind == "colocated":
-        from clawrl.weight_sync.colocated import ColocatedSender
-
-        return ColocatedSender(**kwargs)
-    if kind == "broadcast":
-        from clawrl.weight_sync.broadcast import BroadcastSender
-
-        return BroadcastSender(**kwargs)
-    raise ValueError(f"weight sync kind must be one of {KINDS}, got {kind!r}")
-
-
-def transport_for(plan: Any, engine_urls: Sequence[str], **kwargs: Any) -> dict[str, Any]:
-    """make_sender kwargs (plain, picklable) for a placement plan: colocated on shared GPUs and on CPU (one
-    machine: shared memory), broadcast over NCCL when the engines have GPUs of their own (split)."""
-    kind = "broadcast" if plan.mode == "split" else "colocated"
-    return {"kind": kind, "engine_urls": list(engine_urls), **kwargs}
-
-
-def local_address_towards(urls: Sequence[str]) -> str:
-    """This machine's address as the engines see it: loopback when they all are local, else the address
-    of the interface that routes to the first of them (no packet is sent)."""
-    hosts = [urlsplit(url).hostname or "127.0.0.1" for url in urls]
-    if all(_is_loopback(host) for host in hosts):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((hosts[0], 9))
-        return probe.getsockname()[0]
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -1,10 +1,8 @@
 """Broadcast weight sync (split placement): a torch.distributed group of trainer rank 0 and every engine.
 
 Rank 0 is the trainer (it hosts the group's TCPStore on a free port), engine i is rank 1 + i; gloo on CPU,
-NCCL on GPU. The group is a standalone backend object (`ProcessGroupGloo` / `ProcessGroupNCCL` built on a
-`PrefixStore`), not torch.distributed's global group: the trainer process already has its default group
-for FSDP, an engine process may hold several such groups, and tests run all ranks in one process. The
-collectives are called on the backend object directly, each with a timeout.
+NCCL on GPU. The group is a standalone backend object (wire.py's `create_group`), not torch.distributed's
+global group; its collectives are called on that object directly, each with a timeout.
 
 Protocol:
     connect:  POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
@@ -21,64 +19,21 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import functools
+import ipaddress
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
-from clawrl.weight_sync.base import (
-    InflightBucket,
-    WeightSender,
-    WeightSyncError,
-    bucket_label,
-    local_address_towards,
-)
+from clawrl.weight_sync.base import InflightBucket, WeightSender, WeightSyncError, bucket_label
 from clawrl.weight_sync.flat import describe_bucket, fill_flat, plan_flat_groups
-
-BACKENDS = ("gloo", "nccl")
-
-
-def create_group(*, backend: str, rank: int, world_size: int, group_name: str, timeout_s: float,
-                 store: dist.Store | None = None, master_address: str = "", master_port: int = 0,
-                 device: torch.device | None = None) -> Any:  # fmt: skip
-    """Join (rank > 0) or form (rank 0, with its `store`) a standalone group; blocks until every rank has
-    joined or `timeout_s` passes. Returns the backend object whose collectives we call."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    group = dist.ProcessGroupNCCL(prefixed, rank, world_size, timeout)
-    if device is not None and hasattr(group, "eager_connect_single_device"):
-        group.eager_connect_single_device(device)  # form the communicator now, not at the first bucket
-    return group
-
-
-def broadcast_from_rank0(group: Any, tensor: torch.Tensor, timeout_s: float, *,
-                         check: Callable[[], None] | None = None) -> None:  # fmt: skip
-    """Broadcast `tensor` from rank 0 into every rank's `tensor`; blocks the CPU until done or timeout.
-
-    `check` is called while waiting; it raises to abandon the wait (e.g. a peer already reported failure,
-    so the collective can only time out)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
-    work = group.broadcast([tensor], opts)
-    if check is not None:
-        deadline = time.monotonic() + timeout_s
-        while not work.is_completed():
-            check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"broadcast not completed within {timeout_s:.0f} s")
-            time.sleep(0.0002)
-    work.wait(timeout)  # raises the collective's error, if any
+from clawrl.weight_sync.wire import BACKENDS, broadcast_from_rank0, create_group
 
 
 class BroadcastSender(WeightSender):
@@ -202,3 +157,23 @@ def _in_daemon_thread(fn) -> concurrent.futures.Future:
 
     threading.Thread(target=run, name="weight-sync-join", daemon=True).start()
     return future
+
+
+def local_address_towards(urls: Sequence[str]) -> str:
+    """This machine's address as the engines see it: loopback when they all are local, else the address
+    of the interface that routes to the first of them (no packet is sent)."""
+    hosts = [urlsplit(url).hostname or "127.0.0.1" for url in urls]
+    if all(_is_loopback(host) for host in hosts):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((hosts[0], 9))
+        return probe.getsockname()[0]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

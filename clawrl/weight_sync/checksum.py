@@ -54,7 +54,7 @@ def verify_engine_weights(
 ) -> None:
     """Compare every engine's `GET /weights_checksum` with the trainer's; one WeightMismatchError naming
     each differing engine, its first differing tensors and (when given) a wrong weight version."""
-    from clawrl.engine.client import EngineClient
+    from clawrl.engine.http.client import EngineClient
 
     problems = []
     for url in engine_urls:

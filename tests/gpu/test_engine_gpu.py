@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.sampling_params import SamplingParams
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.core.request import SamplingParams
 
 NUM_GPUS = 1
 pytestmark = pytest.mark.gpu
@@ -67,10 +67,10 @@ def test_fp32_greedy_equals_transformers(ckpt):
 def test_torch_attention_backend_runs_the_reference_path_on_cuda(ckpt):
     # --attention-backend torch (crash debugging): the reference runner on the GPU, no Triton, no graphs;
     # fp32 greedy tokens equal the Triton path's.
-    from clawrl.engine.model_runner import ModelRunner
+    from clawrl.engine.runner.cpu_runner import CpuModelRunner
 
     engine = make_engine(ckpt, dtype="float32", attention_backend="torch")
-    assert type(engine.runner) is ModelRunner
+    assert type(engine.runner) is CpuModelRunner
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     reference = engine.generate(PROMPTS, greedy)
     triton = make_engine(ckpt, dtype="float32").generate(PROMPTS, greedy)
@@ -109,8 +109,8 @@ def test_release_and_resume_recapture_graphs(ckpt):
 
 
 def test_triton_kernels_match_references_on_gpu():
-    from clawrl.engine.sampler import sample
-    from clawrl.engine.triton_attention import paged_attention_reference, paged_decode_attention
+    from clawrl.engine.runner.sampler import sample
+    from clawrl.engine.runner.triton_attention import paged_attention_reference, paged_decode_attention
 
     generator = torch.Generator().manual_seed(0)
     ctx = [1, 15, 16, 17, 150, 208]  # at most the 13 table columns x 16 tokens

@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from clawrl.engine.client import EngineClient, EngineClientError
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.sampling_params import SamplingParams
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.http.client import EngineClient, EngineClientError
 from clawrl.models.hf_io import load_model
 from clawrl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from clawrl.trainer.distributed import free_port

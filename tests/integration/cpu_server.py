@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 from clawrl.engine.async_engine import AsyncEngine
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.server import ServerThread, create_app
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.http.app import ServerThread, create_app
 
 
 @contextlib.contextmanager

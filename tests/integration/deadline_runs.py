@@ -1,13 +1,24 @@
 """Shared by the deadline tests (test_deadlines.py, test_deadlines_stall_points.py): the tiny job's assets, a
-`clawrl train` subprocess run, and the stall-point cases. Two files so that CI's workers (one per file) share them."""
+`clawrl train` subprocess run, and the stall-point cases. Two files so that CI's workers (one per file) share them.
 
+Every run of a module joins one Ray head node started for that module (`ray_head`, passed as `--ray-address`)
+instead of starting and stopping a Ray instance of its own: the deadlines under test are the driver's, so
+where Ray runs does not change what is asserted, and the module pays Ray's start-up once."""
+
+import contextlib
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from loop_assets import REWARD, build_loop_assets
+from ray_processes import stop_group
+
+RAY = str(Path(sys.executable).with_name("ray"))
 
 PLUGINS = """
 import os
@@ -36,6 +47,41 @@ def build_assets(root: Path) -> dict[str, str]:
     return {**build_loop_assets(root, num_train=16, num_eval=2), "plugins": str(root / "plugins.py")}
 
 
+@contextlib.contextmanager
+def ray_head():
+    """A Ray head node on this machine for a module's runs; yields its address, stops its process group after.
+
+    8 logical CPUs: an actor of a failed run may hold its CPU for a moment after the driver exits, and the next
+    run must not wait for it (the trainer rank and the engine take one each)."""
+    temp = tempfile.mkdtemp(prefix="cdl", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    head = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--disable-usage-stats", "--port", str(port), "--num-cpus", "8",
+         "--temp-dir", temp, "--include-dashboard", "false"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for_port(port, head)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_group(head)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _wait_for_port(port: int, head: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert head.poll() is None, "`ray start --head` exited early"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the Ray head's GCS did not listen on port {port} within 60 s")
+
+
 def train(assets, out: Path, *extra, env=None) -> tuple[subprocess.CompletedProcess, float]:
     argv = [
         "--hf-checkpoint", assets["model"], "--prompt-data", assets["train"], "--input-key", "input",
@@ -43,6 +89,8 @@ def train(assets, out: Path, *extra, env=None) -> tuple[subprocess.CompletedProc
         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8", "--actor-num-gpus-per-node", "1",
         "--rollout-num-gpus", "1", "--output-dir", str(out), *extra,
     ]  # fmt: skip
+    if "ray_address" in assets:
+        argv += ["--ray-address", assets["ray_address"]]
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "train", *argv], capture_output=True,
                             text=True, timeout=300, env=env)  # fmt: skip

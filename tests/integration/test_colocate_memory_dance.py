@@ -6,12 +6,13 @@ import threading
 
 import pytest
 
+from clawrl.config.engine import GENERATION_MEMORY_TAGS, MEMORY_TAGS, SYNC_MEMORY_TAGS
 from clawrl.engine.async_engine import AsyncEngine
-from clawrl.engine.client import EngineClient
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.server import ServerThread, create_app
-from clawrl.loops.run import GENERATION_MEMORY_TAGS, SYNC_MEMORY_TAGS, engines_call
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.http.app import ServerThread, create_app
+from clawrl.engine.http.client import EngineClient
+from clawrl.loops.run import release_engine_memory, resume_engine_memory
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +33,15 @@ def _generate(url, out):
 
 def test_release_then_two_phase_resume_lets_generation_finish(server):
     urls = [server.url]
-    engines_call(urls, "release_memory_occupation", [*SYNC_MEMORY_TAGS, *GENERATION_MEMORY_TAGS])
+    assert sorted(MEMORY_TAGS) == sorted([*SYNC_MEMORY_TAGS, *GENERATION_MEMORY_TAGS])  # each resumed once
+    release_engine_memory(urls, MEMORY_TAGS)
     results = []
     request = threading.Thread(target=_generate, args=(server.url, results))
     request.start()
-    engines_call(urls, "resume_memory_occupation", list(SYNC_MEMORY_TAGS))
+    resume_engine_memory(urls, SYNC_MEMORY_TAGS)
     request.join(1.0)
     assert request.is_alive() and not results  # held: generation memory is still released
-    engines_call(urls, "resume_memory_occupation", list(GENERATION_MEMORY_TAGS))
+    resume_engine_memory(urls, GENERATION_MEMORY_TAGS)
     request.join(30.0)
     assert not request.is_alive()
     assert len(results[0]["output_ids"]) == 4

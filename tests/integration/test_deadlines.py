@@ -4,7 +4,7 @@ at once, naming the rank and the checkpoint to resume from. Real `clawrl train` 
 tests' own timeouts are far above the deadlines."""
 
 import pytest
-from deadline_runs import STALLS, build_assets, check_stall, last_line, train
+from deadline_runs import STALLS, build_assets, check_stall, last_line, ray_head, train
 from loop_assets import REWARD
 
 pytestmark = pytest.mark.slow
@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    return build_assets(tmp_path_factory.mktemp("deadlines"))
+    with ray_head() as address:  # every run joins it: one Ray start-up per module, not per run
+        yield {**build_assets(tmp_path_factory.mktemp("deadlines")), "ray_address": address}
 
 
 def test_stuck_rollout_fails_within_its_deadline_with_the_managers_stack(assets, tmp_path):

@@ -4,14 +4,15 @@ wait named on the last line. Real `clawrl train` subprocesses on CPU (the rollou
 test_deadlines.py)."""
 
 import pytest
-from deadline_runs import STALLS, build_assets, check_stall
+from deadline_runs import STALLS, build_assets, check_stall, ray_head
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    return build_assets(tmp_path_factory.mktemp("stall_points"))
+    with ray_head() as address:  # every run joins it: one Ray start-up per module, not per run
+        yield {**build_assets(tmp_path_factory.mktemp("stall_points")), "ray_address": address}
 
 
 @pytest.mark.parametrize("point", [point for point in STALLS if not point.startswith("rollout.")])

@@ -23,8 +23,8 @@ from clawrl.data.sample import Sample, Status
 from clawrl.debug import align
 from clawrl.debug.dump import save_rollout_dump
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.sampling_params import SamplingParams
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.core.request import SamplingParams
 
 TOL = 1e-5
 NUM_LAYERS = 3

@@ -208,7 +208,7 @@ def test_send_against_the_engine(run, capsys, tmp_path):
                               "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
                               "--rollout-temperature", "0", "--output", out_file, "--concurrency", "3")  # fmt: skip
         assert code == 0, err
-        from clawrl.engine.client import EngineClient
+        from clawrl.engine.http.client import EngineClient
 
         with EngineClient(server.url, timeout=60) as client:
             expected = [

@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from demo_inprocess import run_inprocess
 from safetensors.torch import load_file
 
-from clawrl.demo.inprocess import run_inprocess
 from clawrl.demo.recipe import micro_recipe
 
 

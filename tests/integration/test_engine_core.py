@@ -17,9 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.detokenizer import IncrementalDetokenizer
-from clawrl.engine.engine import Engine
-from clawrl.engine.sampling_params import SamplingParams
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.core.request import IncrementalDetokenizer, SamplingParams
 from clawrl.models.loader import iter_safetensors
 from clawrl.models.tiny import build_tiny_model
 
@@ -320,9 +319,11 @@ def test_release_and_resume_memory(ckpt, engine):
 
 def test_bad_requests_raise_naming_the_problem(ckpt):
     engine = make_engine(ckpt, num_kv_blocks=8, context_length=40)
-    with pytest.raises(ValueError, match="context_length=40"):
+    with pytest.raises(ValueError, match="prompt has 40 tokens; the model's context is 40"):
         engine.add_request("long", list(range(3, 43)), greedy())
-    with pytest.raises(ValueError, match=r"prompt_token_ids must be ints in \[0, 512\), got 512"):
+    with pytest.raises(
+        ValueError, match=r"prompt_token_ids\[1\] = 512 is outside the vocabulary \(size 512\)"
+    ):
         engine.add_request("vocab", [1, 512], greedy())
     with pytest.raises(ValueError, match="max_new_tokens=30 with a 5-token prompt needs 35 KV-cache slots"):
         engine.add_request("big", [3] * 5, greedy(max_new_tokens=30))
@@ -347,6 +348,6 @@ def test_incremental_detokenizer_handles_split_characters(engine):
         engine.tokenizer, [5, 6], skip_special_tokens=True, stop=["✓ d", "zzz"]
     )
     matched_at = [i for i, t in enumerate(token_ids) if detokenizer.append(t) is not None]
-    assert detokenizer.output_text == engine.tokenizer.decode(token_ids)
+    assert detokenizer.text == engine.tokenizer.decode(token_ids)
     first = next(i for i in range(len(token_ids)) if "✓ d" in engine.tokenizer.decode(token_ids[: i + 1]))
     assert matched_at == [first]  # reported once, on the token that completes the stop string

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from clawrl.engine.sampling_params import SamplingParams
-from clawrl.engine.sequence import PENDING_TOKEN
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.core.sequence import PENDING_TOKEN
 from clawrl.models.loader import iter_safetensors
 
 sys.path.insert(0, str(Path(__file__).parent))

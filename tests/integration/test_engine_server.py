@@ -18,12 +18,11 @@ import pytest
 import torch
 from cpu_server import cpu_server
 
-from clawrl.engine.async_engine import AsyncEngine
-from clawrl.engine.client import AsyncEngineClient, EngineClient, EngineClientError
+from clawrl.engine.async_engine import AsyncEngine, EngineUnavailableError
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.protocol import EngineUnavailableError
-from clawrl.engine.sampling_params import SamplingParams
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.http.client import AsyncEngineClient, EngineClient, EngineClientError
 from clawrl.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

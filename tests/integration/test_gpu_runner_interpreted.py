@@ -17,10 +17,10 @@ from interpreted_triton import DEVICE, replace_tests_if_triton_was_imported_too_
 from test_engine_core import PROMPTS, make_checkpoint
 
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.gpu_runner import GpuModelRunner, decode_batch_sizes
-from clawrl.engine.model_runner import ModelRunner
-from clawrl.engine.sampling_params import SamplingParams
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.runner.cpu_runner import CpuModelRunner
+from clawrl.engine.runner.gpu_runner import GpuModelRunner, decode_batch_sizes
 
 # The interpreter runs each kernel program in Python (~1 ms per op): a few short prompts keep this file fast.
 PROMPTS = PROMPTS[:3]  # 3, 7 and 12 tokens
@@ -41,7 +41,7 @@ def make_engine(path, *, gpu_runner, fused_kernels=True, **overrides):
     )
     engine = Engine(config)
     if not gpu_runner:  # the reference runner, also on CUDA (where the engine would pick the GPU runner)
-        engine.runner = ModelRunner(engine.model, engine.kv_cache)
+        engine.runner = CpuModelRunner(engine.model, engine.kv_cache)
     else:
         engine.runner = GpuModelRunner(
             engine.model, engine.kv_cache, max_running_requests=config.max_running_requests,
@@ -117,6 +117,49 @@ def test_overlap_schedule_feeds_pending_tokens_on_the_device(ckpt, reference):
     )
     assert_same(engine.generate(PROMPTS, mixed_params()), reference)
     assert engine.num_preemptions > 0
+
+
+def test_prompt_and_top_logprobs_and_penalties_equal_reference_runner(ckpt):
+    # Chunked prefill (6-token steps) of prompts scored from position 0 / 5, top logprobs, penalties and
+    # min_new_tokens next to a plain request, with the overlap schedule on (the engine steps these
+    # requests without it) and one request that only scores its prompt (max_new_tokens 0).
+    params = [
+        SamplingParams(max_new_tokens=4, temperature=0.0, logprob_start_len=0, top_logprobs_num=2),
+        SamplingParams(
+            max_new_tokens=4,
+            temperature=0.8,
+            seed=3,
+            ignore_eos=True,
+            repetition_penalty=1.5,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            top_logprobs_num=3,
+        ),  # fmt: skip
+        SamplingParams(max_new_tokens=0, logprob_start_len=5, top_logprobs_num=1),
+        SamplingParams(max_new_tokens=4, temperature=0.0, min_new_tokens=3, logit_bias={2: 50.0}),
+    ]
+    prompts = PROMPTS + [PROMPTS[1]]
+    want = make_engine(ckpt, gpu_runner=False, max_num_batched_tokens=6).generate(prompts, params)
+    engine = make_engine(ckpt, gpu_runner=True, max_num_batched_tokens=6, enable_overlap_schedule=True)
+    got = engine.generate(prompts, params)
+    assert_same(got, want)
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for key in ("prompt_logprobs", "top_logprobs"):
+            flat_g = [v for v in _flatten(g.get(key)) if v is not None]
+            flat_w = [v for v in _flatten(w.get(key)) if v is not None]
+            assert flat_g == pytest.approx(flat_w, abs=1e-4)
+    assert len(got[0]["prompt_logprobs"]) == len(PROMPTS[0]) and got[0]["prompt_logprobs"][0] == (None, None)
+    assert got[2]["output_ids"] == [] and len(got[2]["prompt_logprobs"]) == len(PROMPTS[2]) - 5
+    assert got[3]["output_ids"][3] == 2 and 2 not in got[3]["output_ids"][:3]  # min_new_tokens, then the bias
+
+
+def _flatten(value):
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flatten(item)
+    else:
+        yield value
 
 
 replace_tests_if_triton_was_imported_too_early(globals(), __file__)

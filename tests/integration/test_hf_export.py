@@ -98,8 +98,8 @@ def _transformers_greedy(model_dir: Path, prompts) -> list[list[int]]:
 
 def _engine_greedy(model_dir: Path, prompts) -> list[list[int]]:
     from clawrl.engine.config import EngineConfig
-    from clawrl.engine.engine import Engine
-    from clawrl.engine.sampling_params import SamplingParams
+    from clawrl.engine.core.engine import Engine
+    from clawrl.engine.core.request import SamplingParams
 
     engine = Engine(EngineConfig(model_path=str(model_dir), num_kv_blocks=64, block_size=4))
     params = SamplingParams(max_new_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)

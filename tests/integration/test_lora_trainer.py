@@ -108,8 +108,8 @@ def test_step_trains_adapters_only_and_optimizer_holds_only_them(model_dir):
 def test_weight_sync_sends_merged_weights_that_the_engine_checksums_match(model_dir):
     from clawrl.engine.async_engine import AsyncEngine
     from clawrl.engine.config import EngineConfig
-    from clawrl.engine.engine import Engine
-    from clawrl.engine.server import ServerThread, create_app
+    from clawrl.engine.core.engine import Engine
+    from clawrl.engine.http.app import ServerThread, create_app
     from clawrl.weight_sync import WeightMismatchError, make_sender, verify_engine_weights
 
     actor = _actor(model_dir, *LORA)

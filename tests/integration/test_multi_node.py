@@ -207,8 +207,8 @@ class Parked:
         return self.at
 
     def engine_host(self):
-        from clawrl.cluster.engine_actor import _host
-        return _host()
+        from clawrl.cluster.engine_actor import listen_host
+        return listen_host(multi_node=True)
 
     def park(self):
         def parked_on_the_second_node():

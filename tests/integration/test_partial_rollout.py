@@ -25,10 +25,10 @@ from clawrl.config.rollout import RolloutConfig
 from clawrl.config.validate import validate
 from clawrl.data.sample import Sample, Status
 from clawrl.engine.async_engine import AsyncEngine
-from clawrl.engine.client import EngineClient
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.server import ServerThread, create_app
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.http.app import ServerThread, create_app
+from clawrl.engine.http.client import EngineClient
 from clawrl.models.tiny import build_tiny_model
 from clawrl.rollout.manager import RolloutManager
 

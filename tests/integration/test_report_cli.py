@@ -20,7 +20,7 @@ def _write_run(out_dir):
         for step in range(3):
             logger.log(step, {
                 "rollout/raw_reward": 0.25 * step, "eval/toy": 0.5,
-                "train": [{"train/ppo_kl": 0.0, "train/entropy_loss": 2.0}],
+                "train": [{"train/ppo_kl": 0.0, "train/kl_loss": 0.01 * step, "train/entropy_loss": 2.0}],
                 "perf/rollout_time": 1.0, "perf/train_time": 0.5,
             })  # fmt: skip
 

@@ -15,9 +15,9 @@ import pytest
 from cpu_server import cpu_server
 
 from clawrl.engine.async_engine import AsyncEngine
-from clawrl.engine.client import AsyncEngineClient, EngineClient
-from clawrl.engine.request_output import Collected
-from clawrl.engine.step_output import StepOutput
+from clawrl.engine.core.engine import StepOutput
+from clawrl.engine.core.request import Collected
+from clawrl.engine.http.client import AsyncEngineClient, EngineClient
 from clawrl.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 

@@ -113,8 +113,8 @@ def test_export_hf_loads_in_transformers_and_engine(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from clawrl.engine.config import EngineConfig
-    from clawrl.engine.engine import Engine
-    from clawrl.engine.sampling_params import SamplingParams
+    from clawrl.engine.core.engine import Engine
+    from clawrl.engine.core.request import SamplingParams
 
     source = tiny_checkpoint(tmp_path / "source", seed=3, scale=0.25)  # peaked logits: no near-tie argmax
     out = tmp_path / "export"

@@ -15,16 +15,17 @@ import pytest
 import torch
 
 from clawrl.engine.async_engine import AsyncEngine
-from clawrl.engine.client import EngineClient, EngineClientError
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.sampling_params import SamplingParams
-from clawrl.engine.server import ServerThread, create_app
+from clawrl.engine.core.engine import Engine
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.http.app import ServerThread, create_app
+from clawrl.engine.http.client import EngineClient, EngineClientError
 from clawrl.models.hf_io import load_model
 from clawrl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from clawrl.trainer.weights import iter_full_tensors, iter_weight_buckets
 from clawrl.weight_sync import WeightMismatchError, WeightSyncError, make_sender, verify_engine_weights
 from clawrl.weight_sync.checksum import tensor_checksum
+from clawrl.weight_sync.cycle import Transport, push_weights
 from clawrl.weight_sync.flat import ALIGN_BYTES, plan_flat_groups
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -277,3 +278,36 @@ def test_malformed_update_is_a_400_naming_the_field(models):
             and "group_name 'nope': no such weight-update group" in info.value.message
         )
         assert client.get_weight_version()["weight_version"] == "0"
+
+
+# ---------------------------------------------------------------------------------------------------
+# one sync from start to end (clawrl.weight_sync.cycle.push_weights, what every trainer rank runs)
+
+
+def test_push_weights_syncs_flips_the_version_and_checks_the_checksums(
+    models, trainer_model, trainer_checksums, reference_outputs
+):
+    fp32_bytes = 4 * sum(p.numel() for p in trainer_model.parameters())
+    with serve(models[0]) as (url,):
+        transport = Transport(kind="colocated", engine_urls=[url], options={"max_inflight": 3})
+        buckets = iter_weight_buckets(iter_full_tensors(trainer_model), 256 * 1024)
+        metrics = push_weights(transport, buckets, "p1", checksums=lambda: trainer_checksums)
+        assert metrics["perf/update_weights_bytes"] == float(fp32_bytes)
+        assert metrics["perf/update_weights_time"] > 0 and metrics["perf/check_weight_update_time"] > 0
+        assert greedy(url) == reference_outputs
+        wrong = {**trainer_checksums, "model.norm.weight": "0" * 64}
+        with pytest.raises(WeightMismatchError, match=rf"engine {url}: 1 of \d+ tensors differ: model\.norm"):
+            buckets = iter_weight_buckets(iter_full_tensors(trainer_model), 1 << 20)
+            push_weights(transport, buckets, "p2", checksums=lambda: wrong)
+        assert EngineClient(url).get_weight_version()["weight_version"] == "p2"  # synced, then checked
+
+
+def test_push_weights_frees_the_buckets_in_flight_when_a_later_bucket_fails(models, trainer_model):
+    good = next(iter_weight_buckets(iter_full_tensors(trainer_model), 1 << 20))
+    bad = [("model.extra", torch.zeros(4, dtype=torch.complex64))]  # a dtype weight sync does not carry
+    with serve(models[0]) as (url,):
+        transport = Transport(kind="colocated", engine_urls=[url], options={"max_inflight": 4})
+        with pytest.raises(ValueError, match="cannot send tensors of dtype torch.complex64"):
+            push_weights(transport, iter([good, bad]), "broken")
+        assert our_segments() == []  # the good bucket's segment was unlinked although it was never retired
+        assert EngineClient(url).get_weight_version()["weight_version"] == "0"  # no flip after a failure

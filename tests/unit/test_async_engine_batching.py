@@ -7,16 +7,16 @@ import random
 
 import pytest
 
-from clawrl.engine.request_output import (
+from clawrl.engine.core.engine import StepOutput
+from clawrl.engine.core.request import (
     Aborted,
     Collected,
     GenerationResult,
     OutputCollector,
     RequestStream,
+    SamplingParams,
     collect_results,
 )
-from clawrl.engine.sampling_params import SamplingParams
-from clawrl.engine.step_output import StepOutput
 from clawrl.models.tiny import build_tiny_tokenizer
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from clawrl.engine.block_manager import BlockManager, chain_block_hashes
+from clawrl.engine.core.scheduler import BlockManager, chain_block_hashes
 
 
 def test_allocate_release_and_reference_counts():

@@ -20,13 +20,12 @@ from interpreted_triton import (  # before clawrl.engine.triton_*: sets TRITON_I
 )
 
 from clawrl.engine.config import EngineConfig
-from clawrl.engine.engine import Engine
-from clawrl.engine.gpu_runner import DeviceBlockTables, GpuModelRunner
-from clawrl.engine.model_runner import ModelRunner
-from clawrl.engine.sampler import sampling_keys
-from clawrl.engine.sampling_params import SamplingParams
-from clawrl.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from clawrl.engine.step_output import StepOutput
+from clawrl.engine.core.engine import Engine, StepOutput
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from clawrl.engine.runner.cpu_runner import CpuModelRunner
+from clawrl.engine.runner.gpu_runner import DeviceBlockTables, GpuModelRunner
+from clawrl.engine.runner.sampler import sampling_keys
 from clawrl.models.tiny import build_tiny_model
 
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 6], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
@@ -75,7 +74,7 @@ def make_engine(path, *, gpu_runner, **overrides):
             context_length=engine.context_length, enable_cuda_graph=False,
         )  # fmt: skip
     else:  # the reference runner, also on CUDA
-        engine.runner = ModelRunner(engine.model, engine.kv_cache)
+        engine.runner = CpuModelRunner(engine.model, engine.kv_cache)
     return engine
 
 

@@ -2,16 +2,10 @@
 
 import pytest
 
-from clawrl.engine.protocol import (
-    AbortRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    PauseGenerationRequest,
-    RequestError,
-    check_prompt,
-    parse_request,
-)
+from clawrl.engine.core.request import RequestError, check_prompt
+from clawrl.engine.http.app import AbortRequest, PauseGenerationRequest
+from clawrl.engine.http.generate import GenerateRequest, parse_request
+from clawrl.engine.http.openai import ChatCompletionRequest, CompletionRequest
 
 
 def _error(model, body) -> str:
@@ -37,8 +31,8 @@ def _error(model, body) -> str:
         ({"stop_token_ids": [3, -1]}, "sampling_params.stop_token_ids must hold token ids >= 0, got -1"),
         ({"max_new_token": 3}, "sampling_params.max_new_token is not a known field"),
         (
-            {"repetition_penalty": 1.2},
-            "sampling_params.repetition_penalty is not supported by this engine (only 1.0), got 1.2",
+            {"repetition_penalty": 0},
+            "sampling_params.repetition_penalty must be > 0 (1 = off), got 0.0",
         ),
         ({"regex": "a+"}, "sampling_params.regex (constrained decoding) is not supported by this engine"),
     ],
@@ -76,8 +70,8 @@ def test_generate_reports_every_bad_field_in_one_message():
         ),
         ({"input_ids": [1], "return_logprob": 1}, "return_logprob must be true or false, got 1"),
         (
-            {"input_ids": [1], "top_logprobs_num": 5},
-            "top_logprobs_num is not supported by this engine (only 0), got 5",
+            {"input_ids": [1], "top_logprobs_num": -5},
+            "top_logprobs_num must be >= 0, got -5",
         ),
         ({"input_ids": [1], "foo": 1}, "foo is not a known field"),
     ],
@@ -118,10 +112,9 @@ def test_generate_request_normalises_prompts_and_params():
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "warm"},
          "temperature must be a number, got 'warm'"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n must be >= 1, got 0"),
-        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-         "top_logprobs is not supported by this engine (only 0: the sampled tokens' logprobs), got 2"),
-        ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5},
-         "frequency_penalty is not supported by this engine (only 0), got 0.5"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+        ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5},
+         "frequency_penalty must be in [-2, 2], got 2.5"),
     ],
 )  # fmt: skip
 def test_chat_request_errors(body, message):
@@ -145,8 +138,7 @@ def test_chat_request_ignores_unknown_openai_fields_and_joins_text_parts():
     [
         ({"prompt": 3}, "prompt must be a string, a list of strings, a list of token ids or a list of token-id "
                         "lists, got 3"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs > 0 (top alternatives) is not supported by this engine; use "
-                                         "logprobs=0 for the sampled tokens' logprobs, got 2"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs must be in [0, 20] (top alternatives per token), got 21"),
         ({"prompt": "x", "echo": True}, "echo is not supported by this engine"),
         ({"prompt": "x", "max_tokens": -3}, "max_tokens must be >= 0, got -3"),
     ],

@@ -14,9 +14,9 @@ from interpreted_triton import (  # before clawrl.engine.triton_*: sets TRITON_I
     replace_tests_if_triton_was_imported_too_early,
 )
 
-from clawrl.engine.sampler import _sample_torch, sampling_keys
-from clawrl.engine.sampling_params import SamplingParams
-from clawrl.engine.triton_ops import sample_rows
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.runner.sampler import _sample_torch, sampling_keys
+from clawrl.engine.runner.triton_ops import sample_rows
 
 VOCAB = 3001  # not a multiple of any slice or block below
 # (block_v, split_len): one slice for the whole row (the old kernel's shape), and finer cuts.

@@ -3,7 +3,7 @@ never half-sent, incomplete UTF-8 characters are held back."""
 
 import pytest
 
-from clawrl.engine.text_stream import IncrementalText
+from clawrl.engine.core.request import IncrementalDetokenizer
 from clawrl.models.tiny import build_tiny_tokenizer
 
 
@@ -12,7 +12,7 @@ def tokenizer():
     return build_tiny_tokenizer(2048)
 
 
-def _push_one_by_one(stream: IncrementalText, ids: list[int], finish_reason: dict) -> list[str]:
+def _push_one_by_one(stream: IncrementalDetokenizer, ids: list[int], finish_reason: dict) -> list[str]:
     deltas = [stream.push([token]) for token in ids[:-1]]
     deltas.append(stream.push([ids[-1]], finish_reason))
     return deltas
@@ -23,7 +23,7 @@ def test_deltas_add_up_to_the_full_decode_and_hold_back_split_characters(tokeniz
     ids = tokenizer.encode(" héllo wörld 日本語 ok")
     # The tiny BPE has no merges for CJK: each character is split over byte tokens.
     assert len(ids) > len(["héllo", "wörld", "日本語", "ok"])
-    stream = IncrementalText(tokenizer, prompt)
+    stream = IncrementalDetokenizer(tokenizer, prompt)
     deltas = _push_one_by_one(stream, ids, {"type": "length", "length": len(ids)})
     assert "".join(deltas) == tokenizer.decode(ids) == " héllo wörld 日本語 ok"
     assert all("\ufffd" not in delta for delta in deltas)
@@ -32,7 +32,7 @@ def test_deltas_add_up_to_the_full_decode_and_hold_back_split_characters(tokeniz
 
 def test_stop_string_is_trimmed_and_its_prefix_never_sent(tokenizer):
     ids = tokenizer.encode("alpha beta gamma delta")
-    stream = IncrementalText(tokenizer, stop=["ta gam"])
+    stream = IncrementalDetokenizer(tokenizer, stop=["ta gam"])
     upto_beta = len(tokenizer.encode("alpha beta"))
     sent = "".join(stream.push([token]) for token in ids[:upto_beta])
     assert sent == "alpha be"  # "ta" could start "ta gam": held back
@@ -45,7 +45,7 @@ def test_stop_string_is_trimmed_and_its_prefix_never_sent(tokenizer):
 
 def test_no_stop_trim_keeps_the_stop_string(tokenizer):
     ids = tokenizer.encode("alpha beta gamma")
-    stream = IncrementalText(tokenizer, stop=["beta"], no_stop_trim=True)
+    stream = IncrementalDetokenizer(tokenizer, stop=["beta"], no_stop_trim=True)
     text = "".join(_push_one_by_one(stream, ids, {"type": "stop", "matched": "beta"}))
     assert text == "alpha beta gamma"
 
@@ -53,8 +53,8 @@ def test_no_stop_trim_keeps_the_stop_string(tokenizer):
 def test_matched_stop_token_is_trimmed_unless_no_stop_trim(tokenizer):
     ids = tokenizer.encode("one two three")
     reason = {"type": "stop", "matched": ids[-1]}
-    trimmed = "".join(_push_one_by_one(IncrementalText(tokenizer), ids, reason))
-    kept = "".join(_push_one_by_one(IncrementalText(tokenizer, no_stop_trim=True), ids, reason))
+    trimmed = "".join(_push_one_by_one(IncrementalDetokenizer(tokenizer), ids, reason))
+    kept = "".join(_push_one_by_one(IncrementalDetokenizer(tokenizer, no_stop_trim=True), ids, reason))
     assert trimmed == tokenizer.decode(ids[:-1]) and kept == "one two three"
 
 
@@ -62,13 +62,13 @@ def test_special_tokens_follow_skip_special_tokens(tokenizer):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = tokenizer.encode("done") + [im_end]
     reason = {"type": "stop", "matched": im_end}
-    assert "".join(_push_one_by_one(IncrementalText(tokenizer), ids, reason)) == "done"
-    shown = IncrementalText(tokenizer, skip_special_tokens=False, no_stop_trim=True)
+    assert "".join(_push_one_by_one(IncrementalDetokenizer(tokenizer), ids, reason)) == "done"
+    shown = IncrementalDetokenizer(tokenizer, skip_special_tokens=False, no_stop_trim=True)
     assert "".join(_push_one_by_one(shown, ids, reason)) == "done<|im_end|>"
 
 
 def test_abort_with_no_new_tokens_flushes_held_text(tokenizer):
-    stream = IncrementalText(tokenizer, stop=["xyz"])
+    stream = IncrementalDetokenizer(tokenizer, stop=["xyz"])
     ids = tokenizer.encode("abc x")
     sent = "".join(stream.push([token]) for token in ids)
     assert sent == "abc "  # "x" might start "xyz"

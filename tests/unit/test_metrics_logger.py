@@ -227,7 +227,9 @@ def test_tensorboard_resume_purges_steps_from_the_resume_step(tmp_path, resume_a
 
 def test_wandb_missing_gives_one_clear_error_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
-    with pytest.raises(ImportError, match=r"^--use-wandb needs `pip install wandb`$"):
+    with pytest.raises(
+        ImportError, match=r"^--use-wandb needs the wandb package: pip install 'clawrl\[wandb\]'$"
+    ):
         MetricLogger(tmp_path / "run", run_name="r", use_wandb=True)
     assert not (tmp_path / "run").exists()
 

@@ -9,11 +9,12 @@ import struct
 import pytest
 
 from clawrl.metrics import MetricLogger, MetricsFileError
-from clawrl.metrics.plots import step_time_phases
+from clawrl.metrics.jsonl import read_metrics
+from clawrl.metrics.plots import Run, plot_kl, plot_mismatch, step_time_phases
 from clawrl.metrics.report import build_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-ALL_PLOTS = ("reward", "eval", "kl", "entropy", "response_length", "step_time")
+ALL_PLOTS = ("reward", "eval", "kl", "mismatch", "entropy", "response_length", "step_time")
 CONFIG = {
     "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4},
     "train": {"lr": 1e-6, "global_batch_size": 32},
@@ -27,12 +28,23 @@ def _full_step(step: int) -> dict:
         "rollout/rewards": 0.0,
         "rollout/log_probs": -2.0 + 0.01 * step,
         "rollout/ref_log_probs": -2.0,
+        "rollout/rollout_log_probs": -2.0 + 0.011 * step,
         "rollout/response_len/mean": 40.0 + step,
         "rollout/response_len/min": 10.0,
         "rollout/response_len/max": 80.0 + step,
         "train": [
-            {"train/ppo_kl": 0.0, "train/kl_loss": 0.001 * step, "train/entropy_loss": 3.0 - 0.1 * step},
-            {"train/ppo_kl": 0.002, "train/kl_loss": 0.001 * step, "train/entropy_loss": 3.0 - 0.1 * step},
+            {
+                "train/ppo_kl": 0.0,
+                "train/kl_loss": 0.001 * step,
+                "train/entropy_loss": 3.0 - 0.1 * step,
+                "train/train_rollout_logprob_abs_diff": 0.01,
+            },
+            {
+                "train/ppo_kl": 0.002,
+                "train/kl_loss": 0.001 * step,
+                "train/entropy_loss": 3.0 - 0.1 * step,
+                "train/train_rollout_logprob_abs_diff": 0.03,
+            },
         ],
         "perf/rollout_time": 2.0,
         "perf/train_time": 1.0 + 0.1 * step,
@@ -107,6 +119,10 @@ def test_missing_metrics_skip_their_plots_with_a_note(tmp_path):
     assert '<p class="skipped">skipped: no eval/&lt;name&gt; metric was logged (no eval ran)</p>' in html
     assert "skipped: train/entropy_loss was not logged" in html
     assert "skipped: rollout/response_len/mean was not logged" in html
+    assert (
+        "skipped: neither train/train_rollout_logprob_abs_diff nor rollout/rollout_log_probs was logged"
+        in html
+    )
     assert "skipped: no perf/&lt;phase&gt;_time metric was logged" in html
     assert '<tr><td>train/ppo_kl</td><td class="num">NaN</td><td class="num">2</td></tr>' in html
 
@@ -144,3 +160,61 @@ def test_malformed_line_is_named(tmp_path, line, message):
     with pytest.raises(MetricsFileError) as info:
         build_report(tmp_path)
     assert str(info.value) == f"{tmp_path}/metrics.jsonl:3: {message}"
+
+
+def _one_step_per_rollout(step: int) -> dict:
+    """A run as `clawrl train` logs it with one optimizer step per rollout: train/ppo_kl is 0 by construction."""
+    return {
+        "rollout/log_probs": [-7.6190, -7.6222, -7.6300][step],
+        "rollout/ref_log_probs": [-7.6190, -7.6236, -7.6400][step],
+        "rollout/rollout_log_probs": [-7.6190, -7.6222, -7.6300][step],
+        "train": [{"train/ppo_kl": 0.0, "train/kl_loss": [0.0, 0.0014, 0.01][step],
+                   "train/train_rollout_logprob_abs_diff": [2.0e-7, 2.1e-7, 2.2e-7][step]}],
+    }  # fmt: skip
+
+
+def _drawn_lines(fig) -> dict[str, list[float]]:
+    return {line.get_label(): [float(y) for y in line.get_ydata()] for line in fig.axes[0].get_lines()}
+
+
+def _run(tmp_path, make, steps=range(3)) -> Run:
+    _write_run(tmp_path, steps, make=make)
+    return Run(records=read_metrics(tmp_path / "metrics.jsonl"))
+
+
+def test_kl_plot_leaves_out_a_ppo_kl_that_is_always_zero(tmp_path):
+    fig = plot_kl(_run(tmp_path, _one_step_per_rollout))
+    assert fig.axes[0].get_title() == "KL to the reference\n(train/ppo_kl: 0 at every step, not drawn)"
+    lines = _drawn_lines(fig)
+    assert list(lines) == ["train/kl_loss", "rollout/log_probs - rollout/ref_log_probs"]
+    assert lines["train/kl_loss"] == [0.0, 0.0014, 0.01]
+    # -7.6222 - -7.6236 = 0.0014, -7.6300 - -7.6400 = 0.0100
+    assert lines["rollout/log_probs - rollout/ref_log_probs"] == pytest.approx([0.0, 0.0014, 0.01], abs=1e-9)
+
+
+def test_mismatch_plot_draws_the_trainer_engine_gap(tmp_path):
+    fig = plot_mismatch(_run(tmp_path, _one_step_per_rollout))
+    lines = _drawn_lines(fig)
+    assert (
+        fig.axes[0].get_title()
+        == "Trainer vs engine log-probs\n(rollout/log_probs - rollout/rollout_log_probs: 0 at every step, not drawn)"
+    )
+    assert list(lines) == ["train/train_rollout_logprob_abs_diff"]
+    assert lines["train/train_rollout_logprob_abs_diff"] == pytest.approx([2.0e-7, 2.1e-7, 2.2e-7])
+
+
+def test_series_that_are_all_zero_skip_the_plot_with_the_reason(tmp_path):
+    def flat(step: int) -> dict:
+        return {"train/ppo_kl": 0.0, "train/kl_loss": 0.0, "train/train_rollout_logprob_abs_diff": 0.0}
+
+    run = _run(tmp_path, flat)
+    assert plot_kl(run) == "train/kl_loss and train/ppo_kl: 0 at every logged step, nothing to draw"
+    assert (
+        plot_mismatch(run) == "train/train_rollout_logprob_abs_diff: 0 at every logged step, nothing to draw"
+    )
+    html = build_report(tmp_path).read_text()
+    assert "skipped: train/kl_loss and train/ppo_kl: 0 at every logged step, nothing to draw" in html
+    assert not (tmp_path / "report" / "kl.png").exists()
+    assert plot_kl(Run(records=[{"step": 0, "rollout/raw_reward": 1.0}])) == (
+        "none of train/kl_loss, rollout/log_probs with rollout/ref_log_probs, train/ppo_kl was logged"
+    )

@@ -161,7 +161,17 @@ BASE = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollo
 
 
 def _job(*flags: str):
-    return validate(job_from_namespace(build_job_parser().parse_args([*BASE, *flags])))
+    data = [
+        "--prompt-data",
+        "train.jsonl",
+        "--rm-type",
+        "math",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+    ]  # what check_loop_flags asks of any run
+    return validate(job_from_namespace(build_job_parser().parse_args([*BASE, *data, *flags])))
 
 
 @pytest.mark.parametrize(

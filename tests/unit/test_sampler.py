@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from clawrl.engine.sampler import filtered_probs, gumbel_noise, sample, sampling_keys, sequence_seed
-from clawrl.engine.sampling_params import SamplingParams
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.runner.sampler import filtered_probs, gumbel_noise, sample, sampling_keys, sequence_seed
 
 
 def lowbias32(x):

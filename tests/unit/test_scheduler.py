@@ -4,10 +4,9 @@ Sequences are real `Sequence` records driven without a model: after each step ev
 its last token "samples" a made-up token, exactly as the engine appends sampled tokens.
 """
 
-from clawrl.engine.block_manager import BlockManager
-from clawrl.engine.sampling_params import SamplingParams
-from clawrl.engine.scheduler import Scheduler
-from clawrl.engine.sequence import Sequence, SequenceStatus
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.core.scheduler import BlockManager, Scheduler
+from clawrl.engine.core.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, max_running=8, prefix_caching=True):

@@ -9,7 +9,7 @@ from interpreted_triton import (  # before clawrl.engine.triton_*: sets TRITON_I
     replace_tests_if_triton_was_imported_too_early,
 )
 
-from clawrl.engine.triton_attention import (
+from clawrl.engine.runner.triton_attention import (
     decode_num_splits,
     paged_attention_reference,
     paged_decode_attention,

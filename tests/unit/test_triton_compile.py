@@ -24,8 +24,8 @@ def compile_all_kernels() -> list[str]:
 def _drive_all_kernels() -> None:
     import torch
 
-    from clawrl.engine import triton_attention as attention
-    from clawrl.engine import triton_ops as ops
+    from clawrl.engine.runner import triton_attention as attention
+    from clawrl.engine.runner import triton_ops as ops
     from clawrl.models.layers import RotaryEmbedding
 
     n, hq, hkv, d, page, hidden, vocab = 8, 14, 2, 64, 16, 896, 151936

@@ -9,9 +9,9 @@ from interpreted_triton import (  # before clawrl.engine.triton_*: sets TRITON_I
     replace_tests_if_triton_was_imported_too_early,
 )
 
-from clawrl.engine.sampler import _sample_torch, sampling_keys
-from clawrl.engine.sampling_params import SamplingParams
-from clawrl.engine.triton_ops import add_rmsnorm, rotary_cache_write, sample_rows, silu_and_mul
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.runner.sampler import _sample_torch, sampling_keys
+from clawrl.engine.runner.triton_ops import add_rmsnorm, rotary_cache_write, sample_rows, silu_and_mul
 from clawrl.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 DTYPES = [torch.float32, torch.bfloat16]

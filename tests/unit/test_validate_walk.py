@@ -1,6 +1,7 @@
 """Every flag combination the trainer, the algorithms or the rollout manager would refuse inside a Ray actor is
-refused first, while the flags are parsed (validate() or a component's own field checks) or by the
-preflight of `clawrl train` (before Ray starts), with one ConfigError naming the flags.
+refused first, while the flags are parsed (validate() or a component's own field checks), by
+check_loop_flags (the rules of a job a loop runs, also in clawrl/config/validate.py) or by the input
+checks of `clawrl train`'s preflight (before Ray starts), with one ConfigError naming the flags.
 
 The table below maps each `raise` in clawrl/trainer, clawrl/algo, clawrl/data/train_batch.py and
 clawrl/rollout/manager.py that flags can trigger to the argv that triggers it. Every other raise there is
@@ -22,6 +23,7 @@ import pytest
 
 from clawrl.cli.preflight import preflight
 from clawrl.config import ConfigError, build_job_parser, job_from_namespace, validate
+from clawrl.config.validate import check_loop_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = [
@@ -56,7 +58,8 @@ class Rule:
     names: tuple[str, ...]
     """Texts (flags and values) the ConfigError message must contain."""
     stage: str = "validate"
-    """validate: parsing + validate(); preflight: then clawrl train's preflight (still before Ray)."""
+    """validate: parsing + validate(); loop: then check_loop_flags; preflight: then clawrl train's
+    preflight too (still before Ray)."""
 
 
 ADV, TIS, POLICY, ACTOR, MANAGER = (
@@ -132,18 +135,18 @@ RULES = [
           ["--micro-batch-size", "0"], ["--micro-batch-size", "got 0"]),
     _rule("clawrl/trainer/packing.py", "plan_micro_batches", "cannot be spread over",
           [*ROLLOUT_INPUTS, "--global-batch-size", "4", "--actor-num-gpus-per-node", "8"],
-          ["--global-batch-size 4", "--actor-num-gpus-per-node 8"], stage="preflight"),
+          ["--global-batch-size 4", "--actor-num-gpus-per-node 8"], stage="loop"),
     _rule("clawrl/trainer/rl_step.py", "plan_steps", "not a multiple of --global-batch-size",
           ["--global-batch-size", "3"], ["--global-batch-size 3", "--rollout-batch-size 4",
                                          "--n-samples-per-prompt 2"]),
     _rule(ACTOR, "TrainActor._build_model", "--hf-checkpoint is required", ROLLOUT_INPUTS,
           ["--hf-checkpoint is required"], stage="preflight"),
     _rule(MANAGER, "RolloutManager._load_plugins", "no reward function configured",
-          ["--prompt-data", "prompts.jsonl"], ["--rm-type", "--custom-rm-path"], stage="preflight"),
+          ["--prompt-data", "prompts.jsonl"], ["--rm-type", "--custom-rm-path"], stage="loop"),
     _rule(MANAGER, "RolloutManager._load_plugins", "--over-sampling-batch-size",
           ["--over-sampling-batch-size", "3"], ["--over-sampling-batch-size 3", "--rollout-batch-size 4"]),
     _rule(MANAGER, "RolloutManager._train_source", "--prompt-data is required", ["--rm-type", "math"],
-          ["--prompt-data is required"], stage="preflight"),
+          ["--prompt-data is required"], stage="loop"),
 ]  # fmt: skip
 
 # Raises no flag combination reaches once the flags passed validate() and preflight, with why.
@@ -224,6 +227,8 @@ _CHECKPOINT_FILE = "clawrl/trainer/checkpoint.py"  # every CheckpointError there
 def _job_errors(rule: Rule) -> str:
     with pytest.raises(ConfigError) as info:
         job = validate(job_from_namespace(build_job_parser().parse_args([*BASE, *rule.argv])))
+        if rule.stage in ("loop", "preflight"):
+            check_loop_flags(job, asynchronous=False)
         if rule.stage == "preflight":
             preflight(job)
     return str(info.value)
@@ -272,9 +277,10 @@ def test_the_new_rules_let_the_neighbouring_valid_combinations_pass():
         ],
     ],
 )
-def test_preflight_flag_rules_let_valid_jobs_through_to_the_model_check(argv):
-    # Past the flag rules, preflight's next check is the model directory, which "m" is not.
+def test_loop_flag_rules_let_valid_jobs_through_to_the_model_check(argv):
+    # Past the flag rules, preflight's first check is the model directory, which "m" is not.
     job = _parse("--hf-checkpoint", "m", *argv)
+    check_loop_flags(job, asynchronous=False)
     with pytest.raises(ConfigError, match="--hf-checkpoint 'm': no such directory"):
         preflight(job)
 

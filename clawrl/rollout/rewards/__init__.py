@@ -2,9 +2,9 @@
 
 A reward function is `async def reward(sample, **kw) -> float | dict`. Built-in types (one module each; the
 whole list, what each accepts and where it differs from slime is in docs/rewards.md):
-`math`, `gsm8k`, `deepscaler`, `dapo` (returns a dict; use `--reward-key score`), `f1`, `remote_rm`
-(needs `--rm-url`). The prefix `boxed_` (e.g. `boxed_f1`) first reduces the response to the content of its
-last `\\boxed{}` ("" if none), then applies the named type.
+`math`, `gsm8k`, `deepscaler`, `dapo` (returns a dict; use `--reward-key score`), `f1`, `math_verify`
+(needs `pip install 'clawrl[math]'`), `remote_rm` (needs `--rm-url`). The prefix `boxed_` (e.g. `boxed_f1`)
+first reduces the response to the content of its last `\\boxed{}` ("" if none), then applies the named type.
 
 `build_reward_fn` resolves the configured function once at startup, so a bad flag fails before any rollout:
     reward_fn = build_reward_fn(rm_type="math")
@@ -36,6 +36,7 @@ from clawrl.rollout.rewards.f1 import f1_reward
 from clawrl.rollout.rewards.gsm8k import gsm8k_reward
 from clawrl.rollout.rewards.latex import last_boxed_content
 from clawrl.rollout.rewards.math_rm import math_reward
+from clawrl.rollout.rewards.math_verify_rm import math_verify_reward, require_math_verify
 from clawrl.rollout.rewards.remote import RemoteRewardError, RemoteRewardModel
 
 __all__ = [
@@ -54,6 +55,7 @@ _BUILTIN = {
     "deepscaler": deepscaler_reward,
     "dapo": dapo_reward,
     "f1": f1_reward,
+    "math_verify": math_verify_reward,
 }
 RM_TYPES = (*_BUILTIN, "remote_rm")
 """Valid `--rm-type` values (each also accepted with the prefix `boxed_`)."""
@@ -145,6 +147,8 @@ def _builtin_caller(rm_type: str, rm_url: str | None, deadline_s: float, kwargs:
         fn = RemoteRewardModel(url=rm_url, deadline_s=deadline_s)
     elif base in _BUILTIN:
         fn = _BUILTIN[base]
+        if base == "math_verify":
+            require_math_verify()  # an optional package that is missing fails at startup, not mid-rollout
     else:
         raise ValueError(
             f"{flag} {rm_type!r} is not a reward type; valid types: {', '.join(RM_TYPES)} "

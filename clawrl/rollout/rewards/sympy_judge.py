@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from clawrl.rollout.rewards import sympy_worker
+import clawrl.rollout.rewards.sympy_worker as sympy_worker
 from clawrl.rollout.rewards.latex import find_closing_brace
 from clawrl.rollout.rewards.sympy_worker import FUNCTIONS
 

@@ -1,0 +1,145 @@
+"""Sequence: one sample being generated (a request with n > 1 has n of them), and its stop rules.
+
+No torch here. A sequence's tokens are `prompt_token_ids + output_token_ids`. The first `num_computed_tokens`
+of them have their K/V in the cache, in the blocks listed by `block_table` (block i holds positions
+[i * block_size, (i + 1) * block_size)).
+
+`stop_reason` applies SGLang's stop rules after each sampled token (engine.py calls it); stop strings are
+found by the sequence's IncrementalDetokenizer (request.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawrl.engine.core.request import SamplingParams
+
+PENDING_TOKEN = -1
+"""Placeholder output token of the engine's overlap schedule: sampled on the device, not yet copied back.
+The model runner feeds the real id to the next step on the device; the engine overwrites it when it arrives."""
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: in the waiting queue, in the running batch, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(kw_only=True, eq=False, slots=True)
+class Sequence:
+    """One sample of one request, with its KV-cache bookkeeping. Slotted: the engine reads a few fields of
+    every running sequence several times per step, and slots keep those reads short and the objects compact."""
+
+    seq_id: int
+    """Engine-wide unique id, increasing with arrival (FCFS order)."""
+    request_id: str
+    """Id of the request this sample belongs to."""
+    index: int = 0
+    """Sample index within the request, 0..n-1."""
+    prompt_token_ids: list[int]
+    """Prompt token ids."""
+    params: SamplingParams
+    """The request's sampling parameters."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Generated token ids so far."""
+    output_logprobs: list[float] = field(default_factory=list)
+    """Logprob of each generated token (see sampler.py for the definition)."""
+    status: SequenceStatus = SequenceStatus.WAITING
+    """Queue state."""
+    block_table: list[int] = field(default_factory=list)
+    """KV-cache block ids holding this sequence's positions, in order."""
+    num_computed_tokens: int = 0
+    """Leading tokens whose K/V are in the cache (from the prefix cache or computed)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission (reported as cached_tokens)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the leading full blocks, computed under `hash_namespace`."""
+    hash_namespace: str = ""
+    """Namespace (weight version, and request id when prefix caching is off) of `block_hashes`."""
+    leader: Sequence | None = None
+    """For samples 1..n-1 of a request: sample 0, whose prompt blocks they wait for and share."""
+    finish_reason: dict | None = None
+    """SGLang-style finish reason once finished: {"type": "stop" | "length" | "abort", ...}."""
+    num_preemptions: int = 0
+    """How often this sequence was preempted (its K/V dropped and later recomputed)."""
+    sampler_state: Any = None
+    """The sequence's sampling seed (int): its noise is a hash of it and the token count (sampler.py)."""
+    detokenizer: Any = None
+    """Incremental detokenizer, only for sequences with stop strings."""
+    max_output_tokens: int = 0
+    """Output count at which a length stop is due: max_new_tokens, or fewer when the context ends first. Set by
+    the engine; with it and `stop_token_set` the engine skips the full stop rules for a token that cannot stop
+    the sequence (0: every token goes through them)."""
+    stop_token_set: frozenset[int] = frozenset()
+    """Token ids that stop this sequence: EOS ids and stop_token_ids, empty with ignore_eos. Set by the engine."""
+    score_only: bool = False
+    """max_new_tokens=0 with prompt logprobs: the prompt is computed for its logprobs, the sampled token dropped."""
+    reports_logprobs: bool = False
+    """Top or prompt logprobs asked for: the runner fills the two fields below, the engine reports them."""
+    prompt_logprobs: list | None = None
+    """Prompt positions logprob_start_len.. (sample 0 only): (logprob or None, top list or None) each, filled
+    by the runner chunk by chunk; None when not asked for."""
+    step_top_logprobs: list | None = None
+    """The step's top (logprob, token id) pairs of the sampled position, set by the runner (top_logprobs_num)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the sequence is done (stopped, truncated or aborted)."""
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list when avoidable."""
+        num_prompt = len(self.prompt_token_ids)
+        end = self.num_tokens if end is None else end
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
+def stop_reason(seq: Sequence, token: int, *, eos_token_ids: set[int], context_length: int) -> dict | None:
+    """Finish reason of `seq` after `token` was appended, or None if it goes on: SGLang's rules, in SGLang's order.
+
+    1. max_new_tokens reached                      -> {"type": "length", "length": max_new_tokens}
+    2. EOS or a stop_token_id (unless ignore_eos)  -> {"type": "stop", "matched": token id}
+    3. a stop string in the decoded output         -> {"type": "stop", "matched": the string}
+    4. the context length reached                  -> {"type": "length", "length": tokens generated}
+
+    As in SGLang, ignore_eos also disables stop_token_ids; stop strings still apply. Before min_new_tokens
+    tokens only rules 1 and 4 apply (the sampler also masks EOS and stop tokens until then). The stopping token stays
+    in the output ids (trimming the text is the text layer's job, see `no_stop_trim`).
+    """
+    params = seq.params
+    if seq.num_output_tokens >= params.max_new_tokens:
+        return {"type": "length", "length": params.max_new_tokens}
+    may_stop = seq.num_output_tokens >= params.min_new_tokens
+    if may_stop and not params.ignore_eos and (token in params.stop_token_ids or token in eos_token_ids):
+        return {"type": "stop", "matched": token}
+    if seq.detokenizer is not None:
+        # Fed every token (not only when other rules pass) so its text stays complete.
+        matched = seq.detokenizer.append(token)
+        if matched is not None and may_stop:
+            return {"type": "stop", "matched": matched}
+    if seq.num_tokens >= context_length:
+        return {"type": "length", "length": seq.num_output_tokens}
+    return None
