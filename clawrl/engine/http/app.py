@@ -406,7 +406,9 @@ class ServerThread:
         self.app = app
         self.host = host
         self.start_timeout_s = start_timeout_s
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+        )  # clients drop idle ones sooner
         self._thread = threading.Thread(target=self._server.run, name="clawrl-engine-http", daemon=True)
         self.port = port
 

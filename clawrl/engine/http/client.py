@@ -27,6 +27,10 @@ from typing import Any
 import httpx
 
 DEFAULT_TIMEOUT_S = 600.0
+KEEPALIVE_EXPIRY_S = 2.0
+"""Idle pooled connections are dropped after this, well before a server closes them (uvicorn's default, and
+SGLang's, is 5 s; clawrl's engine keeps them 30 s): with equal timeouts a request sent on a connection the server
+is closing fails with ReadError — what a rollout after a long train step hit now and then."""
 
 
 class EngineClientError(RuntimeError):
@@ -225,7 +229,8 @@ class EngineClient(_Routes):
     def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout,
+                                    limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))  # fmt: skip
 
     def _call(self, method: str, path: str, body: dict | None = None, *, stream: bool = False,
               timeout: float | None = None) -> Any:  # fmt: skip
@@ -306,7 +311,8 @@ class AsyncEngineClient(_Routes):
         index = min(range(len(in_use)), key=in_use.__getitem__, default=-1)
         if index < 0 or in_use[index] >= self.connections_per_pool:
             # No connection limit of its own: the accounting here only spreads the load.
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.connections_per_pool)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.connections_per_pool,
+                                  keepalive_expiry=KEEPALIVE_EXPIRY_S)  # fmt: skip
             if self._ssl_context is None:
                 self._ssl_context = httpx.create_ssl_context()
             pool = httpx.AsyncClient(

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from clawrl.engine.http.client import KEEPALIVE_EXPIRY_S
+
 
 class RemoteRewardError(RuntimeError):
     """The reward service at --rm-url gave no usable reward; the message names the URL and the cause."""
@@ -117,8 +119,10 @@ class RemoteRewardModel:
         """The shared client, bound to the running event loop (an AsyncClient cannot cross event loops)."""
         loop = asyncio.get_running_loop()
         if self._http is None or self._loop is not loop:
-            limits = httpx.Limits(
-                max_connections=self.max_connections, max_keepalive_connections=self.max_connections
+            limits = httpx.Limits(  # idle connections dropped before the server closes them (client.py)
+                max_connections=self.max_connections,
+                max_keepalive_connections=self.max_connections,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
             )
             self._loop, self._http = loop, httpx.AsyncClient(limits=limits)
         return self._http
