@@ -1,12 +1,24 @@
-"""Engine throughput: the built-in engine vs `transformers` generate on the same random-weight model.
+"""Engine throughput: the built-in engine vs transformers' generation modes on the same random-weight model.
 
 A Qwen2.5-shaped checkpoint with random weights (config.json + bf16 safetensors + a local 8192-token BPE
 tokenizer; the embedding keeps the real 151936 rows) is written under --workdir; nothing is downloaded.
-Both sides get the same random prompts (--prompt-len tokens each) and generate exactly --new-tokens tokens
-(EOS ignored), sampling at temperature 1.0 with no top-k / top-p (or greedy with --greedy). The engine is
-timed from the first add_request to the last token (prefill included; decode-only tok/s is reported too);
-transformers runs one static batch (bf16, sdpa, default dynamic cache). When transformers would need more
-than --hf-max-seconds, its new tokens are capped (estimated from a short run) and the cap is reported.
+All sides get the same random prompts (--prompt-len tokens each) and generate exactly --new-tokens tokens
+(EOS disabled: eos_token_id None for `generate`, -1 for continuous batching; every output's length is
+checked), sampling at temperature 1.0 with no top-k / top-p (or greedy with --greedy). The engine is
+timed from the first add_request to the last token (prefill included; decode-only tok/s is reported too),
+its prefix cache flushed before each timed generation so that no prompt block is reused from the warm-up.
+The transformers peers (--peers, default all; bf16, sdpa), each timed the same way (one call, first prompt
+in to last token out, prefill included):
+  generate        one static batch through `generate`, default dynamic cache;
+  static-compile  `generate` with cache_implementation="static", whose decode step transformers compiles
+                  with torch.compile (its defaults: inductor, reduce-overhead);
+  generate-batch  continuous batching with a paged KV cache: the manager `generate_batch` uses, kept open
+                  so that its set-up and CUDA-graph capture stay out of the timing.
+Each peer runs in its own process: a warm-up on other prompts (compilation, graph capture), a probe, then
+the timed run. When the probe says the timed run would exceed --hf-max-seconds, the peer's new tokens are
+cut (then its prompts); the table shows "N x T capped". A peer past --peer-timeout (load and compile
+included) is killed. A failing peer prints "n/a (reason)" in its row and is listed in the JSON under
+"peer_failures"; the run goes on. The engine's ratio is taken against the fastest peer that ran.
 
 The decode roofline is the time to read, every decode step, all weight bytes plus the K/V bytes of every
 sequence's current context at --hbm-tbs TB/s (H200: 4.19); results are given as a percentage of it.
@@ -26,22 +38,30 @@ same tokens, which is checked and reported.
 Every phase is isolated: a failure prints its traceback and the rest still runs. A summary table is printed
 at the end and everything goes to --json-out.
 
-Run on the H200 from the repository root (PYTHONPATH=., no pip install, no network; ~5-6 minutes, of which
-~1 minute is the first compilation of the Triton kernels):
-    PYTHONPATH=. python bench/engine_throughput.py --check --suite --profile --json-out $OUT/engine.json
+Run on the H200 from the repository root (PYTHONPATH=., no pip install, no network; ~5-6 minutes with
+--peers generate, of which ~1 minute is the first compilation of the Triton kernels; every further peer
+adds its load, compilation / graph capture and runs, at most --peer-timeout per configuration):
+    PYTHONPATH=. python bench/engine_throughput.py --check --suite --profile --peers generate --json-out $OUT/engine.json
+All three peers, one configuration per call to stay inside a 10-minute command:
+    PYTHONPATH=. python bench/engine_throughput.py --shape 0.5b --batch 256 --json-out $OUT/engine_peers.json
 One configuration:
     PYTHONPATH=. python bench/engine_throughput.py --shape 0.5b --batch 256 --prompt-len 128 --new-tokens 256
 CPU smoke test of the script itself (reference runner, no Triton):
     .venv/bin/python bench/engine_throughput.py --device cpu --shape tiny --batch 4 --new-tokens 8 --check
+(~1.5 min on 2 CPU cores, most of it torch.compile of the static-compile peer; --peers generate to skip it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
+import os
 import random
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -59,7 +79,7 @@ SHAPES = {
 }  # fmt: skip
 SUITE = [("0.5b", 256), ("0.5b", 64), ("1.5b", 128)]
 TOKENIZER_VOCAB = 8192
-RESULTS: dict = {"runs": [], "check": {}, "errors": []}
+RESULTS: dict = {"runs": [], "check": {}, "errors": [], "peer_failures": []}
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------
@@ -173,6 +193,10 @@ def sampling_params(new_tokens: int, greedy: bool, seed: int):
 def timed_engine_run(engine, prompts: list[list[int]], new_tokens: int, greedy: bool) -> dict:
     """Generate through add_request/step; returns total and decode-only throughput and the outputs."""
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    # The warm-up and earlier repeats ran these very prompts: without the flush their K/V blocks would serve
+    # most of this prefill from the prefix cache, which none of the transformers peers gets.
+    flushed = engine.flush_cache()
+    assert flushed, "requests left over from an earlier run"
     sync()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -278,15 +302,16 @@ def profiler_table(prof) -> str:
 # -- transformers ---------------------------------------------------------------------------------------------
 
 
-def load_hf(path: Path, device: str, dtype: torch.dtype):
+def load_hf(path: Path, device: str, dtype: torch.dtype, *, attention: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
     return model.to(device).eval()
 
 
-def hf_generate(model, prompts: list[list[int]], new_tokens: int, greedy: bool, *, scores: bool = False):
-    """One static batch; exactly new_tokens per sequence (EOS disabled), same sampling rule as the engine."""
+def hf_generation_config(model, new_tokens: int, greedy: bool, *, scores: bool = False):
+    """Exactly new_tokens per sequence, same sampling rule as the engine: no EOS (continuous batching needs
+    -1 instead of None, see cb_generator), temperature 1.0 without top-k / top-p, or greedy."""
     import copy
 
     config = copy.deepcopy(model.generation_config)
@@ -296,39 +321,214 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, greedy: bool, 
     config.min_new_tokens = None
     config.do_sample = not greedy
     config.temperature, config.top_k, config.top_p = 1.0, 0, 1.0
-    config.return_dict_in_generate, config.output_logits = True, scores
+    # A returned dict keeps the cache alive and makes generate check stop criteria every step.
+    config.return_dict_in_generate, config.output_logits = scores, scores
+    return config
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, greedy: bool, *, scores: bool = False,
+                static_cache_len: int | None = None):  # fmt: skip
+    """One static batch through `generate`; with static_cache_len, a static KV cache of that many positions,
+    whose decode step transformers compiles itself (its documented recipe: cache_implementation="static")."""
+    config = hf_generation_config(model, new_tokens, greedy, scores=scores)
+    if static_cache_len is not None:
+        config.cache_implementation = "static"
+        # Sized for the longest call from the first one, so that the short warm-up compiles the shapes the
+        # timed run uses: newer releases read max_cache_len, all keep the largest size seen on the model.
+        config.max_cache_len = static_cache_len
+        model._previous_max_cache_length = max(
+            static_cache_len, getattr(model, "_previous_max_cache_length", 0)
+        )
+        if model.device.type == "cpu":  # transformers compiles on CUDA only unless told otherwise
+            from transformers import CompileConfig
+
+            config.compile_config = CompileConfig(mode="default")
+            config.compile_config._compile_all_devices = True
     input_ids = torch.tensor(prompts, device=model.device)
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
-    new = out.sequences[:, input_ids.shape[1] :]
+    sequences = out.sequences if scores else out
+    new = sequences[:, input_ids.shape[1] :]
     assert new.shape[1] == new_tokens, f"transformers generated {new.shape[1]} tokens, expected {new_tokens}"
     return new.tolist(), (torch.stack(out.logits, dim=1) if scores else None)
 
 
-def run_hf(path: Path, batch: int, args) -> dict:
-    model = load_hf(path, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
-    prompts = random_prompts(batch, args.prompt_len)
-    probe = min(16, args.new_tokens)
+# -- transformers peers -----------------------------------------------------------------------------------------
+# Each peer runs in its own process under a wall-clock deadline (--peer-timeout): a compile that hangs or a
+# crash that leaves CUDA in a bad state costs that peer's row only, never the run or the device budget.
+
+PEERS = ("generate", "static-compile", "generate-batch")
+PEER_HELP = {
+    "generate": "generate, default dynamic cache",
+    "static-compile": 'generate, cache_implementation="static" + torch.compile of the decode step',
+    "generate-batch": "continuous batching (generate_batch's manager), paged KV cache",
+}
+CB_ATTENTIONS = ("sdpa", "paged|sdpa")  # newer releases take "sdpa" for paged batches, older ones the prefix
+
+
+def plan_peer_work(batch: int, new_tokens: int, probe_tokens: int, probe_seconds: float,
+                   cap_seconds: float) -> tuple[int, int]:  # fmt: skip
+    """(prompts, new tokens) whose timed run should fit cap_seconds, from a probe of probe_tokens tokens on
+    all prompts. New tokens are cut first (the batch, which sets the throughput, stays), down to
+    probe_tokens; prompts only when even that is over the cap (time assumed proportional to both)."""
+    estimate = probe_seconds * new_tokens / probe_tokens
+    if estimate <= cap_seconds:
+        return batch, new_tokens
+    tokens = max(probe_tokens, int(new_tokens * cap_seconds / estimate))
+    at_tokens = probe_seconds * tokens / probe_tokens
+    prompts = batch if at_tokens <= cap_seconds else max(1, int(batch * cap_seconds / at_tokens))
+    return prompts, tokens
+
+
+def timed_generation(generate, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
     sync()
     start = time.perf_counter()
-    hf_generate(model, prompts, probe, args.greedy)  # also the warm-up
-    sync()
-    estimate = (time.perf_counter() - start) * args.new_tokens / probe
-    new_tokens = args.new_tokens
-    if estimate > args.hf_max_seconds:
-        new_tokens = max(probe, int(args.new_tokens * args.hf_max_seconds / estimate))
-        print(
-            f"  transformers: ~{estimate:.0f} s for {args.new_tokens} tokens; capped to {new_tokens} new tokens"
-        )
-    sync()
-    start = time.perf_counter()
-    hf_generate(model, prompts, new_tokens, args.greedy)
+    outputs = generate(prompts, new_tokens)
     sync()
     seconds = time.perf_counter() - start
-    del model
-    free_memory()
-    return {"seconds": seconds, "tok_s": batch * new_tokens / seconds, "new_tokens": new_tokens,
-            "capped": new_tokens != args.new_tokens}  # fmt: skip
+    lengths = {len(out) for out in outputs}
+    if len(outputs) != len(prompts) or lengths != {new_tokens}:
+        raise RuntimeError(f"{len(outputs)} outputs of lengths {sorted(lengths)} for {len(prompts)} prompts "
+                           f"x {new_tokens} tokens")  # fmt: skip
+    return seconds, outputs
+
+
+def time_peer(generate, prompts: list[list[int]], new_tokens: int, cap_seconds: float) -> dict:
+    """Warm-up (compilation, graph capture), a probe, the plan under the cap, then the timed run: tok/s is
+    generated tokens over the wall time of the one call, prefill included, as for the engine. Warm-up
+    prompts differ from the timed ones so that no prefix cache can serve the timed prefill."""
+    probe = min(16, new_tokens)
+    warm = random_prompts(len(prompts), len(prompts[0]), seed=1)
+    warmup_s, _ = timed_generation(generate, warm, probe)
+    probe_s, _ = timed_generation(generate, warm, probe)
+    num_prompts, num_tokens = plan_peer_work(len(prompts), new_tokens, probe, probe_s, cap_seconds)
+    if num_prompts < len(prompts):  # a new batch shape: compile / capture it before timing
+        timed_generation(generate, warm[:num_prompts], probe)
+    seconds, _ = timed_generation(generate, prompts[:num_prompts], num_tokens)
+    return {"tok_s": num_prompts * num_tokens / seconds, "seconds": seconds, "num_prompts": num_prompts,
+            "new_tokens": num_tokens, "capped": (num_prompts, num_tokens) != (len(prompts), new_tokens),
+            "warmup_s": warmup_s, "probe_s": probe_s}  # fmt: skip
+
+
+@contextlib.contextmanager
+def cb_generator(model, greedy: bool, max_tokens: int, batch: int, max_len: int):
+    """Yields generate(prompts, n) over one continuous-batching manager (the one generate_batch builds and
+    tears down per call; kept open here so its set-up and CUDA-graph warm-up stay out of the timing)."""
+    config = hf_generation_config(model, max_tokens, greedy)
+    config.eos_token_id = -1  # None would fall back to the model's EOS
+    kwargs = {"generation_config": config, "block": True, "timeout": 30}
+    cb_config = cb_batching_config(model.device.type, batch, max_len)
+    if cb_config is not None:
+        kwargs["continuous_batching_config"] = cb_config
+    counter = iter(range(1 << 62))
+    with model.continuous_batching_context_manager(**kwargs) as manager:
+
+        def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+            ids = [f"q{next(counter)}" for _ in prompts]
+            for request_id, prompt in zip(ids, prompts, strict=True):
+                manager.add_request(prompt, request_id=request_id, max_new_tokens=n, eos_token_id=-1)
+            return cb_collect(manager, ids)
+
+        yield generate
+
+
+def cb_batching_config(device: str, batch: int, max_len: int):
+    """CUDA: the library's own sizing (from free memory). CPU: a small cache, as the automatic sizing has no
+    memory figure there and takes tens of seconds."""
+    import dataclasses
+
+    if device != "cpu":
+        return None
+    from transformers.generation import ContinuousBatchingConfig
+
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page = {"page_size": 16} if "page_size" in names else {"block_size": 16}  # renamed in 5.17
+    blocks = batch * (-(-max_len // 16) + 1)  # every sequence's longest context, in 16-token pages
+    return ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=512, **page)
+
+
+def cb_collect(manager, ids: list[str]) -> list[list[int]]:
+    done: dict = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("the continuous-batching generation thread stopped (its log is above)")
+            continue
+        if result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+            done[result.request_id] = list(result.generated_tokens)
+    return [done[request_id] for request_id in ids]
+
+
+def run_peer(name: str, path: Path, batch: int, args) -> dict:
+    """One peer on the same prompts and lengths as the engine (in the worker process)."""
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    prompts = random_prompts(batch, args.prompt_len)
+    if name == "generate":
+        model = load_hf(path, args.device, dtype)
+        generate = lambda p, n: hf_generate(model, p, n, args.greedy)[0]  # noqa: E731
+        return time_peer(generate, prompts, args.new_tokens, args.hf_max_seconds)
+    if name == "static-compile":
+        model = load_hf(path, args.device, dtype)
+        max_cache_len = args.prompt_len + args.new_tokens
+        generate = lambda p, n: hf_generate(model, p, n, args.greedy, static_cache_len=max_cache_len)[0]  # noqa: E731
+        return time_peer(generate, prompts, args.new_tokens, args.hf_max_seconds)
+    failures = []
+    for attention in CB_ATTENTIONS:
+        try:
+            model = load_hf(path, args.device, dtype, attention=attention)
+            max_len = args.prompt_len + args.new_tokens
+            with cb_generator(model, args.greedy, args.new_tokens, batch, max_len) as generate:
+                result = time_peer(generate, prompts, args.new_tokens, args.hf_max_seconds)
+                result["attention"] = model.config._attn_implementation  # what the manager switched to
+            return {**result, "earlier_failures": failures}
+        except Exception as exc:  # noqa: BLE001 - the next attention name may be the one this release takes
+            traceback.print_exc()
+            failures.append(f"{attention}: {type(exc).__name__}: {exc}"[:300])
+            free_memory()
+    raise RuntimeError("; ".join(failures))
+
+
+def run_peer_process(name: str, path: Path, batch: int, args) -> dict:
+    """The peer in a child process of this script, killed (its process group) at --peer-timeout seconds.
+    Returns its result, or {"error": reason}."""
+    out = Path(args.workdir) / f"peer-{name}-{batch}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-worker", name, "--peer-model", str(path),
+           "--peer-out", str(out), "--batch", str(batch), "--prompt-len", str(args.prompt_len),
+           "--new-tokens", str(args.new_tokens), "--device", args.device,
+           "--hf-max-seconds", str(args.hf_max_seconds), "--workdir", args.workdir]  # fmt: skip
+    cmd += ["--greedy"] if args.greedy else []
+    start = time.perf_counter()
+    child = subprocess.Popen(cmd, start_new_session=True)  # its own group: compile workers die with it
+    try:
+        returncode = child.wait(timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return {"error": f"timed out after {args.peer_timeout:.0f} s (--peer-timeout)"}
+    except BaseException:  # Ctrl-C or a signal to this process: its own session would outlive it otherwise
+        os.killpg(child.pid, signal.SIGKILL)
+        raise
+    if out.is_file():
+        result = json.loads(out.read_text())
+    else:
+        result = {"error": f"worker exited with code {returncode} (its traceback is above)"}
+    result["process_s"] = time.perf_counter() - start
+    return result
+
+
+def peer_worker(args) -> int:
+    """--peer-worker: one peer, its result (or its error) written to --peer-out."""
+    try:
+        result = run_peer(args.peer_worker, Path(args.peer_model), args.batch, args)
+    except Exception as exc:  # noqa: BLE001 - the reason goes to the parent's table
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    Path(args.peer_out).write_text(json.dumps(result, default=str))
+    return 0
 
 
 # -- correctness checks ---------------------------------------------------------------------------------------
@@ -513,36 +713,91 @@ def run_config(shape: str, batch: int, args, workdir: Path) -> None:
     row["roofline"] = decode_roofline(shape, batch, args.prompt_len, args.new_tokens, args.hbm_tbs)
     row["engine"] = guarded(f"engine {shape} batch {batch}", lambda: run_engine(path, shape, batch, args))
     free_memory()
-    if not args.skip_hf:
-        row["hf"] = guarded(f"transformers {shape} batch {batch}", lambda: run_hf(path, batch, args))
-        if row["hf"]:
-            print(f"  transformers: {row['hf']['tok_s']:,.0f} tok/s ({row['hf']['new_tokens']} new tokens)")
+    row["peers"] = {}
+    for name in args.peers:
+        print(f"\n### transformers {name} {shape} batch {batch} (own process)", flush=True)
+        result = run_peer_process(name, path, batch, args)
+        row["peers"][name] = result
+        print(f"  transformers {name}: {peer_cell(result)}")
+        if "error" in result:
+            RESULTS["peer_failures"].append({"config": f"{shape} batch {batch}", "peer": name,
+                                             "error": result["error"]})  # fmt: skip
+    row["hf"] = row["peers"].get("generate")  # the key earlier JSON files used for this peer
     RESULTS["runs"].append(row)
     write_json(args)
+
+
+def peer_cell(result: dict | None) -> str:
+    """A peer's table cell: its tok/s and, when the time cap cut its work, prompts x new tokens run."""
+    if not result:
+        return "not run"
+    if "error" in result:
+        return f"n/a ({result['error'][:60]})"
+    work = f" ({result['num_prompts']} x {result['new_tokens']} capped)" if result.get("capped") else ""
+    return f"{result['tok_s']:,.0f}{work}"
+
+
+def best_peer(peers: dict) -> tuple[str, float]:
+    """The fastest peer that ran, ("-", nan) when none did: the engine's ratio is taken against it."""
+    ran = {name: r["tok_s"] for name, r in peers.items() if r and "tok_s" in r}
+    if not ran:
+        return "-", float("nan")
+    name = max(ran, key=ran.get)
+    return name, ran[name]
 
 
 def print_summary() -> None:
     print("\n" + "=" * 126)
     print(f"{'shape':6} {'batch':>5} {'schedule':>8} {'engine tok/s':>13} {'decode tok/s':>13} {'prefill s':>9} "
-          f"{'HF tok/s':>10} {'ratio':>7} {'roofline tok/s':>15} {'% roof (tot/dec)':>17}")  # fmt: skip
+          f"{'peer tok/s':>10} {'ratio':>7} {'roofline tok/s':>15} {'% roof (tot/dec)':>17}")  # fmt: skip
     for row in RESULTS["runs"]:
         for schedule, engine in (row.get("engine") or {"-": None}).items():
             if schedule != "schedules_agree":
                 print_row(row, schedule, engine or {})
+    print(
+        "(peer = the fastest transformers peer that ran in this run, * = its work was capped; ratio = engine "
+        "/ peer; each peer below)"
+    )
+    print_peers()
 
 
 def print_row(row: dict, schedule: str, engine: dict) -> None:
-    hf, roof, nan = row.get("hf") or {}, row["roofline"], float("nan")
+    roof, nan = row["roofline"], float("nan")
     tok, dec, prefill = (
         engine.get("tok_s", nan),
         engine.get("decode_tok_s", nan),
         engine.get("prefill_s", nan),
     )
-    hf_tok = hf.get("tok_s", nan)
+    best, peer_tok = best_peer(row.get("peers") or {})
+    capped = "*" if (row.get("peers") or {}).get(best, {}).get("capped") else ""
     pct = f"{100 * tok / roof['decode_tok_s']:.1f}/{100 * dec / roof['decode_tok_s']:.1f}"
-    capped = "*" if hf.get("capped") else ""
     print(f"{row['shape']:6} {row['batch']:>5} {schedule:>8} {tok:>13,.0f} {dec:>13,.0f} {prefill:>9.2f} "
-          f"{hf_tok:>9,.0f}{capped:1} {tok / hf_tok:>7.1f} {roof['decode_tok_s']:>15,.0f} {pct:>17}")  # fmt: skip
+          f"{peer_tok:>9,.0f}{capped:1} {tok / peer_tok:>7.1f} {roof['decode_tok_s']:>15,.0f} {pct:>17}")  # fmt: skip
+
+
+def peer_rows(row: dict) -> list[str]:
+    """The peers table's lines of one configuration, each peer's ratio against the engine's best schedule."""
+    engine = [e["tok_s"] for k, e in (row.get("engine") or {}).items() if k != "schedules_agree" and e]
+    engine_tok = max(engine, default=float("nan"))
+    best, _ = best_peer(row.get("peers") or {})
+    lines = []
+    for name, result in (row.get("peers") or {}).items():
+        ratio = f"{engine_tok / result['tok_s']:.1f}x" if result and "tok_s" in result else "-"
+        mark = " (best)" if name == best else ""
+        lines.append(f"{row['shape']:6} {row['batch']:>5} {name + mark:22} {peer_cell(result):48} {ratio:>8}")
+    return lines
+
+
+def print_peers() -> None:
+    if not any(row.get("peers") for row in RESULTS["runs"]):
+        return
+    print(f"\n{'shape':6} {'batch':>5} {'transformers peer':22} {'tok/s':48} {'engine/peer':>8}")
+    for row in RESULTS["runs"]:
+        for line in peer_rows(row):
+            print(line)
+    for name in dict.fromkeys(name for row in RESULTS["runs"] for name in row.get("peers") or {}):
+        print(f"  {name}: {PEER_HELP[name]}")
+    print("  (N x T capped: the peer ran N prompts x T new tokens to stay within --hf-max-seconds)")
 
 
 def print_checks() -> None:
@@ -550,7 +805,8 @@ def print_checks() -> None:
         print(f"check {name}: {'OK' if check and check.get('ok') else 'FAILED'} {json.dumps(check)[:300]}")
     for error in RESULTS["errors"]:
         print(f"ERROR in {error['phase']}: {error['error']}")
-    print("(* transformers new tokens capped to fit --hf-max-seconds; see JSON)")
+    for failure in RESULTS["peer_failures"]:
+        print(f"peer n/a: {failure['peer']} ({failure['config']}): {failure['error']}")
 
 
 def write_json(args) -> None:
@@ -568,7 +824,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--suite", action="store_true", help=f"run {SUITE} (shape, batch) instead of --shape/--batch"
     )
-    p.add_argument("--skip-hf", action="store_true", help="do not run transformers generate")
+    p.add_argument("--peers", type=peer_list, default=",".join(PEERS),
+                   help=f"transformers peers to time, comma-separated, from {','.join(PEERS)}, or none")  # fmt: skip
+    p.add_argument("--skip-hf", action="store_true", help="run no transformers peer (--peers none)")
     p.add_argument("--check", action="store_true", help="correctness checks first (module docstring)")
     p.add_argument("--profile", action="store_true",
                    help="print profiler tables of one decode step (first configuration)")  # fmt: skip
@@ -583,15 +841,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--mem-fraction-static", type=float, default=0.6, help="engine weights + KV-cache fraction"
     )
-    p.add_argument("--hf-max-seconds", type=float, default=120.0, help="cap transformers' time per config")
+    p.add_argument("--hf-max-seconds", type=float, default=60.0,
+                   help="each peer's timed run is cut (new tokens, then prompts) to fit this, from a probe")  # fmt: skip
+    p.add_argument("--peer-timeout", type=float, default=300.0,
+                   help="wall-clock deadline per peer and config, load + compile + warm-up included")  # fmt: skip
+    p.add_argument("--peer-worker", choices=PEERS, help=argparse.SUPPRESS)  # internal: the peer's process
+    p.add_argument("--peer-model", help=argparse.SUPPRESS)
+    p.add_argument("--peer-out", help=argparse.SUPPRESS)
     p.add_argument("--hbm-tbs", type=float, default=4.19, help="HBM bandwidth for the roofline, TB/s")
     p.add_argument("--workdir", default="/tmp/clawrl-bench-engine", help="where checkpoints are written")
     p.add_argument("--json-out", default=None, help="write all results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.skip_hf:
+        args.peers = []
+    return args
+
+
+def peer_list(text: str) -> list[str]:
+    """--peers: names from PEERS, comma-separated, or "none"."""
+    names = [] if text.strip() == "none" else [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)} or none")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.peer_worker:
+        return peer_worker(args)
     workdir = Path(args.workdir)
     print(f"torch {torch.__version__}, cuda {torch.cuda.is_available()}, device {args.device}", flush=True)
     if args.device == "cuda" and torch.cuda.is_available():

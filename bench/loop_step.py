@@ -88,6 +88,7 @@ MODES = {
 # (label, loop metric, standalone key, level): level-0 rows partition the step, level-1 rows split the rollout.
 ROWS = (
     ("rollout", "perf/rollout_time", "rollout", 0),
+    ("  engine busy (inside its step, GPU wait included)", "perf/engine_busy_time", None, 1),
     ("  first sample back", "perf/rollout_first_sample_time", None, 1),
     ("  ramp (to 90% in flight)", "perf/rollout_ramp_time", None, 1),
     ("  steady (>= 90% in flight)", "perf/rollout_steady_time", None, 1),
@@ -103,13 +104,15 @@ ROWS = (
     ("trainer offload", "perf/trainer_offload_time", None, 0),
     ("train call, other (Ray, advantages)", "train_other", None, 0),
     ("weight sync", "perf/update_weights_time", "weight_sync", 0),
+    ("  buckets (onload, gather, cast)", "perf/update_weights_gather_time", None, 1),
+    ("trainer weights offload (after the sync)", "perf/trainer_weights_offload_time", None, 0),
     ("engine resume", "perf/engine_resume_time", None, 0),
     ("step, other (driver, logging)", "step_other", None, 0),
 )
 TRAIN_PARTS = ("perf/engine_release_time", "perf/trainer_onload_time", "perf/log_probs_time",
                "perf/ref_log_probs_time", "perf/actor_train_time", "perf/trainer_offload_time")  # fmt: skip
 STEP_PARTS = ("perf/rollout_time", "perf/train_time", "perf/update_weights_time", "perf/engine_resume_time",
-              "perf/check_weight_update_time", "perf/eval_time")  # fmt: skip
+              "perf/trainer_weights_offload_time", "perf/check_weight_update_time", "perf/eval_time")  # fmt: skip
 
 
 # -- the table (pure functions of the metrics: tests/unit/test_bench_loop_step.py) --------------------------

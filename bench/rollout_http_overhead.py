@@ -85,7 +85,7 @@ def rollout_args(max_response_len: int) -> argparse.Namespace:
 async def _client_rollout(url: str, args) -> dict:
     from clawrl.data.sample import Sample
     from clawrl.rollout.context import RolloutContext, reset_rollout_context, set_rollout_context
-    from clawrl.rollout.generate import generate, train_sampling_params
+    from clawrl.rollout.generate import generate, generate_group, train_sampling_params
     from clawrl.rollout.router import EngineRouter
 
     flags = [rollout_args(new_tokens(i, args)) for i in range(args.batch)]
@@ -99,7 +99,11 @@ async def _client_rollout(url: str, args) -> dict:
         print("ready", flush=True)  # imports done: the server starts its clocks and answers "go"
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         start, start_cpu = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(generate(flags[s.index], s, params[s.index]) for s in samples))
+        if args.group_size > 1:  # the RolloutManager's way: one batch request per prompt group
+            groups = [samples[i : i + args.group_size] for i in range(0, len(samples), args.group_size)]
+            await asyncio.gather(*(generate_group(flags[g[0].index], g, params[g[0].index]) for g in groups))
+        else:
+            await asyncio.gather(*(generate(flags[s.index], s, params[s.index]) for s in samples))
         end, cpu = time.perf_counter(), time.process_time() - start_cpu
     finally:
         reset_rollout_context(token)
@@ -342,6 +346,8 @@ def _client_run(url: str, args, *, profile: bool) -> tuple[dict, float, dict[str
         str(args.new_tokens),
         "--min-new-tokens",
         str(args.new_tokens if args.min_new_tokens is None else args.min_new_tokens),
+        "--group-size",
+        str(args.group_size),
         "--top",
         str(args.top),
     ]
@@ -420,6 +426,8 @@ def main() -> None:
         help="spread max_new_tokens over [this, --new-tokens] (finishes spread out, as in a real rollout)",
     )  # fmt: skip
     p.add_argument("--block-size", type=int, default=16, help="KV-cache block size")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="samples per batch request (the rollout sends one per prompt group: 8 in loop_step)")  # fmt: skip
     p.add_argument(
         "--device-ms",
         type=float,

@@ -1,10 +1,14 @@
-"""Trainer throughput: clawrl's FSDP2 trainer (TrainActor) against plain transformers, on one GPU.
+"""Trainer throughput: clawrl's trainer (TrainActor) against plain transformers, on one GPU.
 
 A random-weight Qwen2 checkpoint of the chosen shape is written locally (no download; default Qwen2.5-1.5B:
 hidden 1536, 28 layers, 12 heads, 2 KV heads, intermediate 8960, vocab 151936, tied embeddings). Phases:
 
+  ours comes in two paths (--path, default both, measured one after the other in the same process):
+      fast:  the world-size-1 default -- no FSDP2: a bf16 module, an fp32 master copy in flat buffers,
+             bf16 gradients cast once into fp32 ones, fused AdamW on the master (clawrl/trainer/single_rank.py)
+      fsdp:  `--no-fast-single-rank` -- 1-rank FSDP2 with MixedPrecisionPolicy(bf16 params, fp32 reduce)
   (a) fixed batch, 4 sequences x 2048 tokens, one optimizer step per iteration
-      ours:  TrainActor.train() -- 1-rank FSDP2, bf16 compute, fp32 master weights and gradient reduction,
+      ours:  TrainActor.train() -- bf16 compute, fp32 master weights and gradient sums,
              GRPO loss through the fused chunked LM-head log-prob function, grad-norm clip, fused AdamW;
              timed part = the optimizer step (`perf/actor_train_time`: micro-batch build, fwd, bwd, clip,
              AdamW); the log-prob pass that an RL step runs first is reported separately
@@ -23,12 +27,14 @@ embedding lookup free) plus causal attention (QK^T and PV: 2 * S^2 * H * d_head 
 fwd + bwd). Only useful work counts: padding and recomputation (our LM-head backward, activation
 checkpointing) are not FLOPs of the model.
 
-Run (H200, from the repository root, < 6 min; prints a summary table, writes JSON):
+Run (H200, from the repository root, < 8 min with both paths; prints a summary table, writes JSON):
     PYTHONPATH=. python bench/train_throughput.py --json-out $OUT/train.json
 Run (CPU smoke test, here; --shape tiny uses 4 x 256 and lengths 8..512, both sides in fp32 on CPU):
     .venv/bin/python bench/train_throughput.py --device cpu --shape tiny --steps 2 --warmup 1
-Options: --shape 1.5b|0.5b|tiny, --steps N (timed), --warmup N, --skip-hf, --profile (torch.profiler table
-of one step of ours), --gradient-checkpointing, --max-tokens-per-gpu N (default 8192).
+Options: --shape 1.5b|0.5b|tiny, --path fast|fsdp|both, --steps N (timed), --warmup N, --skip-hf, --profile
+(torch.profiler table of one step of ours (a), per path), --gradient-checkpointing, --max-tokens-per-gpu N
+(default 8192). JSON keys: fast_fixed, fast_varlen, fsdp_fixed, fsdp_varlen, hf_fixed, hf_varlen and the
+ratios ratio_<path>_<phase> (ours / hf; goals 1.2x fixed, 2.5x varlen) and ratio_fast_over_fsdp_<phase>.
 
 LM head alone (--lm-head-only, < 1 min on the H200): forward and forward + backward of
 clawrl.trainer.logprobs.linear_log_probs at --lm-head-tokens x hidden x vocab (default 8192 x 1536 x 151936),
@@ -59,26 +65,12 @@ import torch
 
 PEAK_TFLOPS = 738.0
 SHAPES = {
-    "1.5b": dict(
-        hidden_size=1536,
-        num_layers=28,
-        num_heads=12,
-        num_kv_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-    ),  # fmt: skip
-    "0.5b": dict(
-        hidden_size=896,
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-    ),  # fmt: skip
-    "tiny": dict(
-        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512
-    ),
-}
+    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
+                 vocab_size=151936),
+    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                 vocab_size=151936),
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512),
+}  # fmt: skip
 FIXED_BATCH = (4, 2048)
 VARLEN_RANGE = (64, 4096)
 VARLEN_COUNT = 12
@@ -148,7 +140,7 @@ def random_tokens(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------------------ ours
-def build_actor(model_dir: Path, device: torch.device, args):
+def build_actor(model_dir: Path, device: torch.device, args, path: str = "fast"):
     from clawrl.config.algo import AlgoConfig
     from clawrl.config.job import JobConfig
     from clawrl.config.model import ModelConfig
@@ -164,6 +156,7 @@ def build_actor(model_dir: Path, device: torch.device, args):
             use_dynamic_batch_size=True,
             max_tokens_per_gpu=args.max_tokens_per_gpu,
             train_kernels=args.train_kernels,
+            fast_single_rank=path == "fast",
         ),
         algo=AlgoConfig(),  # GRPO, no KL term: no reference weights
     )
@@ -435,6 +428,12 @@ def parse_args(argv=None):
         default="triton",
         help="ours: fused Triton RMSNorm/SiLU/RoPE, or torch (eager ops); clawrl train's flag",
     )
+    p.add_argument(
+        "--path",
+        choices=("fast", "fsdp", "both"),
+        default="both",
+        help="ours: the world-size-1 fast path (no FSDP2), 1-rank FSDP2 (--no-fast-single-rank), or both",
+    )
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of one step of ours (a)"
@@ -478,7 +477,8 @@ def main(argv=None) -> int:
         with phase("write checkpoint", results, device):
             if not (model_dir / "model.safetensors").is_file():
                 write_checkpoint(shape, model_dir, device, seed=args.seed)
-        _run_ours(model_dir, device, args, shape, fixed, varlen, results)
+        for path in ("fast", "fsdp") if args.path == "both" else (args.path,):
+            _run_ours(model_dir, device, args, shape, fixed, varlen, results, path)
         if not args.skip_hf:
             _run_hf(model_dir, device, args, shape, fixed, varlen, results)
     _summarise(results)
@@ -493,26 +493,27 @@ def _finish(results: dict, args) -> int:
     return 1 if results.get("errors") else 0
 
 
-def _run_ours(model_dir, device, args, shape, fixed, varlen, results) -> None:
+def _run_ours(model_dir, device, args, shape, fixed, varlen, results, path: str) -> None:
+    """One of ours' paths ("fast" or "fsdp"): results[f"{path}_fixed"] and results[f"{path}_varlen"]."""
     actor = None
-    with phase("ours: build TrainActor", results, device):
+    with phase(f"ours {path}: build TrainActor", results, device):
         start = time.perf_counter()
-        actor = build_actor(model_dir, device, args)
-        results["ours_init_s"] = time.perf_counter() - start
+        actor = build_actor(model_dir, device, args, path)
+        results[f"{path}_init_s"] = time.perf_counter() - start
     if actor is None:
         return
     try:
-        with phase("ours (a) fixed batch", results, device):
-            results["ours_fixed"] = run_ours(actor, fixed, args)
-            add_mfu(results["ours_fixed"], model_flops(shape, [len(t) for t in fixed]))
-        with phase("ours (b) varlen packed", results, device):
-            results["ours_varlen"] = run_ours(actor, varlen, args)
-            add_mfu(results["ours_varlen"], model_flops(shape, [len(t) for t in varlen]))
+        with phase(f"ours {path} (a) fixed batch", results, device):
+            results[f"{path}_fixed"] = run_ours(actor, fixed, args)
+            add_mfu(results[f"{path}_fixed"], model_flops(shape, [len(t) for t in fixed]))
+        with phase(f"ours {path} (b) varlen packed", results, device):
+            results[f"{path}_varlen"] = run_ours(actor, varlen, args)
+            add_mfu(results[f"{path}_varlen"], model_flops(shape, [len(t) for t in varlen]))
         if args.profile:
-            with phase("ours (a) profile", results, device):
+            with phase(f"ours {path} (a) profile", results, device):
                 print(profile_ours(actor, fixed))
     finally:
-        with phase("ours: shutdown", results, device):
+        with phase(f"ours {path}: shutdown", results, device):
             actor.shutdown()
             del actor
 
@@ -535,32 +536,57 @@ def _run_hf(model_dir, device, args, shape, fixed, varlen, results) -> None:
     del model, optimizer
 
 
+SUMMARY_ROWS = (
+    ("fast_fixed", "ours fast (a) fixed fwd+bwd+AdamW"), ("fsdp_fixed", "ours fsdp (a) fixed"),
+    ("hf_fixed", "hf (a) fixed"), ("fast_varlen", "ours fast (b) varlen packed"),
+    ("fsdp_varlen", "ours fsdp (b) varlen packed"), ("hf_varlen", "hf (b) varlen padded"),
+)  # fmt: skip
+GOALS = {"fixed": 1.2, "varlen": 2.5}
+"""issue 17's goals for ours / transformers at 1.5B: (a) fixed 4 x 2048, (b) RL-length batches."""
+WHOLE_TRAIN_GOAL = 35_000
+"""issue 17's goal for the whole RL train() call (with its no-grad log-prob pass), tokens/s."""
+
+
 def _summarise(results: dict) -> None:
     print(f"\n=== summary (tokens/s of real tokens; MFU vs {PEAK_TFLOPS:.0f} TFLOP/s) ===")
     print(f"{'phase':34s} {'tok/s':>10s} {'step s':>8s} {'MFU':>7s} {'mbs':>4s} {'peak GiB':>9s}")
-    for key, label in (("ours_fixed", "ours (a) fixed fwd+bwd+AdamW"), ("hf_fixed", "hf (a) fixed"),
-                       ("ours_varlen", "ours (b) varlen packed"), ("hf_varlen", "hf (b) varlen padded")):  # fmt: skip
+    for key, label in SUMMARY_ROWS:
         r = results.get(key)
         if r is None:
             print(f"{label:34s} {'--':>10s}")
             continue
         print(f"{label:34s} {r['tokens_per_s']:10.0f} {r['step_time_s']:8.3f} {r['mfu']:7.1%} "
               f"{r['num_micro_batches']:4d} {r.get('peak_memory_gib', float('nan')):9.1f}")  # fmt: skip
-    for key, label in (("ours_fixed", "(a)"), ("ours_varlen", "(b)")):
-        r = results.get(key)
-        if r is not None:
-            print(f"ours {label} whole RL train() incl. log-prob pass: {r['train_call_tokens_per_s']:.0f} tok/s "
-                  f"(log-prob pass {r['log_probs_time_s']:.3f} s)")  # fmt: skip
-    for name, ours, hf, goal in (("fixed (a)", "ours_fixed", "hf_fixed", 1.0),
-                                 ("varlen (b)", "ours_varlen", "hf_varlen", 2.0)):  # fmt: skip
-        if ours in results and hf in results:
-            ratio = results[ours]["tokens_per_s"] / results[hf]["tokens_per_s"]
-            results[f"ratio_{ours.split('_')[1]}"] = ratio
-            print(f"ratio ours/hf {name}: {ratio:.2f}x (goal >= {goal:.1f}x)")
+    for path in ("fast", "fsdp"):
+        for phase_name, label in (("fixed", "(a)"), ("varlen", "(b)")):
+            r = results.get(f"{path}_{phase_name}")
+            if r is not None:
+                print(f"ours {path} {label} whole RL train() incl. log-prob pass: {r['train_call_tokens_per_s']:.0f} "
+                      f"tok/s (goal >= {WHOLE_TRAIN_GOAL}; log-prob pass {r['log_probs_time_s']:.3f} s)")  # fmt: skip
+    _ratios(results)
     if "hf_fixed" in results:
         print("issue author's baseline for hf (a): 37.7k tok/s")
     for name, error in results.get("errors", {}).items():
         print(f"FAILED {name}: {error}")
+
+
+def _ratios(results: dict) -> None:
+    """ratio_<path>_<phase> = ours / hf, and ratio_fast_over_fsdp_<phase>, printed and stored."""
+    for phase_name, label in (("fixed", "(a)"), ("varlen", "(b)")):
+        hf = results.get(f"hf_{phase_name}")
+        for path in ("fast", "fsdp"):
+            ours = results.get(f"{path}_{phase_name}")
+            if ours is not None and hf is not None:
+                ratio = results[f"ratio_{path}_{phase_name}"] = ours["tokens_per_s"] / hf["tokens_per_s"]
+                print(
+                    f"ratio ours {path}/hf {label} {phase_name}: {ratio:.2f}x (goal >= {GOALS[phase_name]:.1f}x)"
+                )
+        fast, fsdp = results.get(f"fast_{phase_name}"), results.get(f"fsdp_{phase_name}")
+        if fast is not None and fsdp is not None:
+            ratio = results[f"ratio_fast_over_fsdp_{phase_name}"] = (
+                fast["tokens_per_s"] / fsdp["tokens_per_s"]
+            )
+            print(f"ratio fast/fsdp {label} {phase_name}: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

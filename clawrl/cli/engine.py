@@ -36,6 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--context-length", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")  # fmt: skip
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps without CUDA graphs")
+    p.add_argument("--true-on-policy-mode", "--true-on-policy", action="store_true",
+                   help="batch-invariant kernels: logprobs a trainer in the same mode recomputes bit for bit")  # fmt: skip
     p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek-r1"), default=None,
                    help="chat replies put <think>...</think> in message.reasoning_content (per request: "
                         "separate_reasoning)")  # fmt: skip
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             model_path=args.model_path, device=device, dtype=dtype, mem_fraction_static=args.mem_fraction_static,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
             enable_cuda_graph=not args.disable_cuda_graph and device == "cuda", tp_size=args.tp_size,
+            true_on_policy_mode=args.true_on_policy_mode,
         )  # fmt: skip
         serve(config, host=args.host, port=args.port, step_timeout_s=args.step_timeout_s,
               served_model_name=args.served_model_name, log_level=args.log_level,

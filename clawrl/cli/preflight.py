@@ -7,7 +7,7 @@ What a job would otherwise discover 10-30 s later inside a Ray actor's traceback
 (readable, every line valid JSON, --input-key / --label-key present), the reward (a known --rm-type, or a
 --custom-rm-path that imports and has a callable signature), the other plugin paths (import and callable),
 the dumps a replay reads, and the output directory (creatable and writable). Rules between flags are not
-here: `validate` and `check_loop_flags` (clawrl/config/validate.py) run first.
+here: `validate` and `check_loop_flags` (clawrl/config/loop_rules.py) run first.
 """
 
 from __future__ import annotations

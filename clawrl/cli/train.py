@@ -48,7 +48,7 @@ def run(args: argparse.Namespace, prog: str) -> int:
     from clawrl.cli.preflight import preflight
     from clawrl.cluster.deadline import ActorFailure, DeadlineError
     from clawrl.cluster.placement import PlacementError
-    from clawrl.config.validate import check_loop_flags
+    from clawrl.config.loop_rules import check_loop_flags
     from clawrl.metrics.checks import MetricCheckError
 
     try:

@@ -131,12 +131,14 @@ def print_stacks(stacks: dict[str, str]) -> None:
 
 
 def wait_all(refs: list, what: str, timeout_s: float, actors: list[ActorInfo] | None = None,
-             owners: list[str] | None = None, poll: Callable[[], None] | None = None) -> list[Any]:  # fmt: skip
+             owners: list[str] | None = None, poll: Callable[[], None] | None = None,
+             started: float | None = None) -> list[Any]:  # fmt: skip
     """ray.get(refs) within `timeout_s`. On the deadline: stacks of `actors` printed, DeadlineError.
     `owners[i]` names who computes refs[i] (for the error message). `poll`, if given, is called about once
-    a second while waiting; it raises to end the wait early (e.g. a failure the results depend on)."""
+    a second while waiting; it raises to end the wait early (e.g. a failure the results depend on).
+    `started` (time.monotonic()) is when the calls began, if before this wait: the deadline counts from it."""
     owners = owners or [f"call {i}" for i in range(len(refs))]
-    deadline = time.monotonic() + timeout_s
+    deadline = (time.monotonic() if started is None else started) + timeout_s
     while True:
         left = max(deadline - time.monotonic(), 0.0)
         ready, pending = ray.wait(
@@ -152,13 +154,16 @@ def wait_all(refs: list, what: str, timeout_s: float, actors: list[ActorInfo] | 
             f"{what}: {', '.join(stuck)} did not finish within the {timeout_s:g} s deadline "
             "(stacks printed above)"
         )
-    results = []
-    for ref, owner in zip(refs, owners, strict=True):
-        try:
-            results.append(ray.get(ref))
-        except ray.exceptions.RayActorError as error:
-            raise ActorFailure(f"{what}: {owner} died ({_first_line(error)})") from None
-    return results
+    return [get_result(ref, what, owner) for ref, owner in zip(refs, owners, strict=True)]
+
+
+def get_result(ref, what: str, owner: str) -> Any:
+    """ray.get of a finished call; an actor that died raises ActorFailure naming `owner` and `what`, any
+    other error of the call is raised as the call raised it."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as error:
+        raise ActorFailure(f"{what}: {owner} died ({_first_line(error)})") from None
 
 
 def _first_line(error: BaseException) -> str:

@@ -2,6 +2,8 @@
 
     pool = EnginePool(configs, group, slots, gpu_fraction, num_threads=1, multi_node=False)
     urls = pool.start(timeout_s)          # all engines up (deadline), their base URLs
+    pool.launch(timeout_s); ...; urls = pool.wait_started(poll)   # the same in two steps: start other
+                                          # parts meanwhile; `poll` watches them while the engines load
     new_url = pool.restart(i, timeout_s)  # kill engine i's process, start a fresh one in the same slot
     pool.stop()
 
@@ -13,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import ray
 
-from clawrl.cluster.deadline import ActorInfo, wait_all
+from clawrl.cluster.deadline import ActorInfo
 from clawrl.cluster.engine_actor import EngineActor
 from clawrl.cluster.ray_cluster import Reservation, actor_options
+from clawrl.cluster.startup import InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,9 @@ class EnginePool:
         self.urls: list[str] = [""] * len(configs)
         self.infos: list[ActorInfo | None] = [None] * len(configs)
         self.num_restarts = 0
+        self.began = 0.0
+        """time.monotonic() of `launch`."""
+        self._starting: InFlight | None = None
 
     def _create(self, i: int):
         options = actor_options(self.group, self.slots[i], self.gpu_fraction)
@@ -42,21 +49,46 @@ class EnginePool:
         )
 
     def start(self, timeout_s: float) -> list[str]:
+        self.launch(timeout_s)
+        return self.wait_started()
+
+    def launch(self, timeout_s: float) -> None:
+        """Create every engine actor and ask it to start, without waiting; `wait_started` waits."""
+        self.began = time.monotonic()
         self.actors = [self._create(i) for i in range(len(self.configs))]
-        self._wait_started(list(range(len(self.configs))), timeout_s)
+        self._starting = self._begin(list(range(len(self.configs))), timeout_s)
+
+    def wait_started(self, poll: Callable[[], None] | None = None) -> list[str]:
+        """The engines' URLs once all have started (deadline: launch's `timeout_s` for the process to
+        answer, then again for the engine to load). `poll` is called about once a second meanwhile and
+        raises to end the wait early."""
+        self._finish(list(range(len(self.configs))), self._starting, poll)
         return list(self.urls)
 
-    def _wait_started(self, indices: list[int], timeout_s: float) -> None:
+    @property
+    def ready_at(self) -> float | None:
+        """time.monotonic() when the last engine of `launch` had started (None until then)."""
+        return self._starting.ready_at if self._starting is not None else None
+
+    def _begin(self, indices: list[int], timeout_s: float) -> InFlight:
+        # Both calls are sent at once (an actor runs its calls in order): `where` answers as soon as the
+        # process is up, so the stacks of an engine stuck while loading can be printed.
         owners = [f"engine {i}" for i in indices]
-        wheres = wait_all(
-            [self.actors[i].where.remote() for i in indices], "engine start", timeout_s, [], owners
-        )
-        for i, (pid, node) in zip(indices, wheres, strict=True):
+        where = InFlight.of([self.actors[i].where.remote() for i in indices], "engine start", owners,
+                            timeout_s=timeout_s)  # fmt: skip
+        start = InFlight.of([self.actors[i].start.remote() for i in indices], "engine start", owners,
+                            timeout_s=timeout_s, after=where)  # fmt: skip
+        return start
+
+    def _finish(self, indices: list[int], start: InFlight, poll: Callable[[], None] | None = None) -> None:
+        for i, (pid, node) in zip(indices, start.after.result([], poll), strict=True):
             self.infos[i] = ActorInfo(f"engine {i}", pid, node)
-        urls = wait_all([self.actors[i].start.remote() for i in indices], "engine start", timeout_s,
-                        [self.infos[i] for i in indices], owners)  # fmt: skip
+        urls = start.result([self.infos[i] for i in indices], poll)
         for i, url in zip(indices, urls, strict=True):
             self.urls[i] = url
+
+    def _wait_started(self, indices: list[int], timeout_s: float) -> None:
+        self._finish(indices, self._begin(indices, timeout_s))
 
     def restart(self, i: int, timeout_s: float) -> str:
         """Kill engine i (whatever state it is in) and start a fresh one in its slot; returns its URL."""

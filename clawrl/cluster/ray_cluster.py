@@ -34,9 +34,12 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> Non
     if address:
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
-        # address="local": always a new instance of our own, never a cluster another job left running here
+        # address="local": always a new instance of our own, never a cluster another job left running here.
+        # No prestarted workers: Ray starts one idle worker per CPU for the first driver, but the job's actors
+        # (with the runtime_env above) never use them, so they only took CPU from the actors' own start-up.
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                 log_to_driver=True, runtime_env=runtime_env)  # fmt: skip
+                 log_to_driver=True, runtime_env=runtime_env,
+                 _system_config={"prestart_worker_first_driver": False})  # fmt: skip
 
 
 # Variables that describe the driver's own machine or shell, or that Ray sets per actor (CUDA_VISIBLE_DEVICES):

@@ -6,6 +6,12 @@ every other call. Here each call runs in one of `max_concurrency` threads, and t
 replacement engine (fault tolerance) or ask for router statistics while a rollout waits for that very engine;
 the manager's own event loop serialises the work. The methods are the driver's whole vocabulary, each with a
 stall point for the deadline tests (clawrl/stall_points.py).
+
+The actor is created with the job alone, while the engines load, so its process start and imports are off the
+start-up's critical path; `connect(engine_urls)` builds the RolloutManager once the engines' URLs are known.
+
+    actor = RolloutManagerActor.options(num_cpus=0, max_concurrency=4).remote(job)
+    ray.get(actor.connect.remote(urls, num_rollout_gpus=len(urls)))
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import ray
 
 from clawrl.cluster.deadline import enable_stack_dumps
+from clawrl.config.job import JobConfig
 from clawrl.data.train_batch import TrainBatch
 from clawrl.rollout.manager import RolloutManager
 from clawrl.stall_points import stall_point
@@ -24,12 +31,20 @@ from clawrl.stall_points import stall_point
 class RolloutManagerActor:
     """A RolloutManager in its own process; see the module docstring."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, job: JobConfig) -> None:
         self._where = enable_stack_dumps("rollout manager")
-        self.manager = RolloutManager(*args, **kwargs)
+        self.job = job
+        self.manager: RolloutManager | None = None
+        # The manager loads its tokenizer with AutoTokenizer, whose import (~2 s) would otherwise come
+        # after the engines are up, on the start-up's critical path; here it runs while they load.
+        from transformers import AutoTokenizer  # noqa: F401
 
     def where(self) -> tuple[int, str]:
         return self._where
+
+    def connect(self, engine_urls: list[str], **kwargs: Any) -> None:
+        """Build the RolloutManager over the started engines (`kwargs`: RolloutManager's keyword arguments)."""
+        self.manager = RolloutManager(self.job, engine_urls, **kwargs)
 
     def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         stall_point("rollout.generate")
@@ -65,4 +80,5 @@ class RolloutManagerActor:
         return self.manager.check_health()
 
     def close(self) -> None:
-        self.manager.close()
+        if self.manager is not None:  # None: the run ended before the engines were up
+            self.manager.close()

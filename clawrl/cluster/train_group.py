@@ -6,6 +6,8 @@ collectives together), with a deadline: a rank that hangs or dies fails the call
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,7 @@ from ray import ObjectRef
 from clawrl.cluster.deadline import ActorFailure, ActorInfo, DeadlineError, wait_all
 from clawrl.cluster.placement import PlacementPlan
 from clawrl.cluster.ray_cluster import Reservation, actor_options
+from clawrl.cluster.startup import InFlight
 from clawrl.config.job import JobConfig
 from clawrl.data.train_batch import TrainBatch
 from clawrl.stall_points import stall_point
@@ -86,15 +89,16 @@ class TrainWorker:
     def onload(self) -> None:
         self.actor.onload()
 
-    def offload(self) -> int:
-        return self.actor.offload()
+    def offload(self, keep_weights: bool = False) -> int:
+        return self.actor.offload(keep_weights=keep_weights)
 
     def checksums(self) -> dict[str, str]:
         """sha256 per tensor in the dtype the engines run in (what they compute on their side)."""
         return self.actor.checksums(self.actor.engine_dtype)
 
     def shutdown(self) -> None:
-        self.actor.shutdown()
+        if self.actor is not None:  # None: the run ended before this rank was set up
+            self.actor.shutdown()
 
     def update_weights(self, transport: Transport, version: str, verify: bool = False) -> dict[str, float]:
         """One weight sync (clawrl.weight_sync.cycle): every rank gathers, rank 0 sends; `verify` compares
@@ -112,34 +116,67 @@ class TrainWorker:
 
 
 class TrainGroup:
-    """Driver-side handle: N TrainWorker actors placed per the plan."""
+    """Driver-side handle: N TrainWorker actors placed per the plan.
+
+    Start-up runs in three steps so the driver can start other parts meanwhile: the constructor creates the
+    actors (their processes start), `begin` sends each rank its set-up (process group, TrainActor) and, given
+    the optimizer steps, the model and optimizer build right after, and `init` waits for all of it."""
 
     def __init__(self, job: JobConfig, plan: PlacementPlan, group: Reservation | None, *,
                  num_threads: int | None = None) -> None:  # fmt: skip
-        world = plan.num_trainer_ranks
-        device = "cpu" if plan.mode == "cpu" else "cuda"
+        self.began = time.monotonic()
         self.workers = [
             TrainWorker.options(**actor_options(group, slot, plan.trainer_gpu_fraction)).remote(rank)
             for rank, slot in enumerate(plan.trainer_slots)
         ]
-        self.job = job
-        self.owners = [f"trainer rank {rank}" for rank in range(world)]
+        self.job, self.num_threads = job, num_threads
+        self.device = "cpu" if plan.mode == "cpu" else "cuda"
+        self.owners = [f"trainer rank {rank}" for rank in range(len(self.workers))]
         self.infos: list[ActorInfo] = []
-        try:
-            wheres = self._wait([w.where.remote() for w in self.workers], "start", START_TIMEOUT_S)
-            self.infos = [ActorInfo(o, pid, node) for o, (pid, node) in zip(self.owners, wheres, strict=True)]
-            # rank 0's node, not the driver's: in a cluster the trainer may run on another host
-            one_node = len({node for _, node in wheres}) == 1
-            addr, port = wait_all([self.workers[0].rendezvous.remote(one_node)], "trainer start",
-                                  START_TIMEOUT_S, self.infos, self.owners[:1])[0]  # fmt: skip
-            config = job.to_dict()
-            refs = [w.setup.remote(config, rank, world, addr, port, device, num_threads)
-                    for rank, w in enumerate(self.workers)]  # fmt: skip
-            self._wait(refs, "start", job.fault.train_timeout)
-        except BaseException:  # the caller never gets a handle to close: end the ranks here
-            for worker in self.workers:
-                ray.kill(worker)
-            raise
+        self._where = [w.where.remote() for w in self.workers]
+        self._setup: InFlight | None = None
+        self._init: InFlight | None = None
+
+    def begin(self, total_optimizer_steps: int | None = None) -> None:
+        """Wait until every rank's process answers, then send the set-up (returns without waiting for it);
+        with `total_optimizer_steps`, also the model and optimizer build (else `begin_init` later). The
+        set-up allocates nothing on a GPU (imports, the TrainActor object), so it may run beside engines that
+        are sizing their KV cache on the same GPU; the build may not."""
+        wheres = self._wait(self._where, "start", START_TIMEOUT_S, started=self.began)
+        self.infos = [ActorInfo(o, pid, node) for o, (pid, node) in zip(self.owners, wheres, strict=True)]
+        # rank 0's node, not the driver's: in a cluster the trainer may run on another host
+        one_node = len({node for _, node in wheres}) == 1
+        addr, port = wait_all([self.workers[0].rendezvous.remote(one_node)], "trainer start",
+                              START_TIMEOUT_S, self.infos, self.owners[:1])[0]  # fmt: skip
+        config, world = self.job.to_dict(), len(self.workers)
+        refs = [w.setup.remote(config, rank, world, addr, port, self.device, self.num_threads)
+                for rank, w in enumerate(self.workers)]  # fmt: skip
+        self._setup = InFlight.of(refs, "trainer start", self.owners, timeout_s=self.job.fault.train_timeout)
+        if total_optimizer_steps is not None:
+            self.begin_init(total_optimizer_steps)
+
+    def begin_init(self, total_optimizer_steps: int) -> None:
+        """Send the model, optimizer and checkpoint load to every rank (queued behind the set-up)."""
+        assert self._setup is not None and self._init is None, "begin() first, begin_init() once"
+        refs = [w.init.remote(total_optimizer_steps) for w in self.workers]
+        self._init = InFlight.of(refs, "trainer init", self.owners, timeout_s=self.job.fault.train_timeout,
+                                 after=self._setup)  # fmt: skip
+
+    def check(self) -> None:
+        """Raise now if a rank's set-up or init failed or ran past --train-timeout (the driver calls this
+        while it waits for the engines); return otherwise."""
+        with self._resume_hint():
+            (self._init or self._setup).check(self.infos)
+
+    @property
+    def init_begun(self) -> bool:
+        """Whether the model and optimizer build was sent (by `begin` or `begin_init`)."""
+        return self._init is not None
+
+    @property
+    def ready_at(self) -> float | None:
+        """time.monotonic() when the last rank finished `init` (None until then)."""
+        return self._init.ready_at if self._init is not None else None
 
     def _on_every_rank(self, method: Callable[[Any], ObjectRef], what: str,
                        timeout_s: float | None = None) -> list[Any]:  # fmt: skip
@@ -149,8 +186,12 @@ class TrainGroup:
         return self._wait([method(w) for w in self.workers], what, timeout_s)
 
     def init(self, total_optimizer_steps: int) -> int:
-        """Build model and optimizer, load --load if given; the rollout id to start from."""
-        starts = self._on_every_rank(lambda w: w.init.remote(total_optimizer_steps), "init")
+        """Wait for the set-up and the model and optimizer build (sent now if `begin` did not), with --load
+        loaded; the rollout id to start from."""
+        if self._init is None:
+            self.begin_init(total_optimizer_steps)
+        with self._resume_hint():
+            starts = self._init.result(self.infos)
         if len(set(starts)) != 1:
             raise RuntimeError(f"trainer ranks disagree on the rollout to resume from: {starts}")
         return starts[0]
@@ -184,9 +225,10 @@ class TrainGroup:
         """Weights and optimizer state back on the GPU (colocated runs, before a train step)."""
         self._on_every_rank(lambda w: w.onload.remote(), "onload")
 
-    def offload(self) -> None:
-        """Weights and optimizer state to host memory (colocated runs, so the engines get the GPU)."""
-        self._on_every_rank(lambda w: w.offload.remote(), "offload")
+    def offload(self, *, keep_weights: bool = False) -> None:
+        """Weights and optimizer state to host memory (colocated runs, so the engines get the GPU);
+        keep_weights: all but the weights, which a weight sync reads next (then `offload()` again)."""
+        self._on_every_rank(lambda w: w.offload.remote(keep_weights), "offload")
 
     def checksums(self) -> dict[str, str]:
         """sha256 per HF tensor name of the weights, in the engines' dtype (for --check-weight-update-equal)."""
@@ -208,11 +250,18 @@ class TrainGroup:
             for worker in self.workers:
                 ray.kill(worker)
 
-    def _wait(self, refs: list, what: str, timeout_s: float, peers: list[ActorInfo] = ()) -> list[Any]:
+    def _wait(self, refs: list, what: str, timeout_s: float, peers: list[ActorInfo] = (),
+              started: float | None = None) -> list[Any]:  # fmt: skip
         """All ranks' results; a rank that hangs or dies fails the call naming it (stacks of the ranks and
         of `peers` printed) and the last complete checkpoint to resume from."""
+        with self._resume_hint():
+            return wait_all(refs, f"trainer {what}", timeout_s, [*self.infos, *peers], self.owners,
+                            started=started)  # fmt: skip
+
+    @contextlib.contextmanager
+    def _resume_hint(self):
         try:
-            return wait_all(refs, f"trainer {what}", timeout_s, [*self.infos, *peers], self.owners)
+            yield
         except (DeadlineError, ActorFailure) as error:
             raise type(error)(f"{error}; {_resume_hint(self.job)}") from None
 

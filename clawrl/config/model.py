@@ -27,6 +27,10 @@ class ModelConfig:
     """Save (--save, --save-hf) every N rollouts, and after the last one; default: after the last one only."""
     model_impl: Literal["native", "hf"] = "native"
     """Model code of trainer and engines: native (clawrl/models) or hf (transformers: any decoder, slower)."""
+    true_on_policy_mode: bool = False
+    """Engines and trainer run the same batch-invariant kernels: trainer log-probs equal the rollout's bit for bit."""
+    true_on_policy: bool = False
+    """Same as --true-on-policy-mode."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass to save memory."""
     update_weight_buffer_size: int = option(512 * 1024**2, metavar="BYTES")
@@ -44,6 +48,11 @@ class ModelConfig:
         at_least(self, "update_weight_buffer_size", 1)
         if self.save_hf is not None:
             save_hf_path(self.save_hf, 0)  # a template with other fields fails now, not at the first save
+
+    @property
+    def uses_true_on_policy(self) -> bool:
+        """--true-on-policy-mode or its alias --true-on-policy."""
+        return self.true_on_policy_mode or self.true_on_policy
 
 
 def save_hf_path(template: str, rollout_id: int) -> str:

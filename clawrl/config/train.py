@@ -69,6 +69,8 @@ class TrainConfig:
     """Dropout probability on each LoRA adapter's input in the training pass (not the log-prob passes)."""
     train_kernels: Literal["triton", "torch"] = "triton"
     """Trainer RMSNorm/SiLU/RoPE on CUDA: triton (fused kernels) or torch (eager ops, to bisect numerics)."""
+    fast_single_rank: bool | None = None
+    """One trainer rank without FSDP2 (a bf16 module, an fp32 master copy); default: on at one rank."""
 
     def __post_init__(self) -> None:
         check_types(self)

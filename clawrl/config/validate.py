@@ -30,13 +30,8 @@ values. The rules (slime's batch-size relations and its argument validation, for
   --rollout-batch-size, or a --dynamic-sampling-filter-path whose drops cause refills), clawrl's default
   rollout (not --rollout-function-path) and a generate function that can continue a partial response (not
   the multi-turn one); --mask-offpolicy-in-partial-rollout and --max-weight-staleness need it.
-- a job a loop runs: `check_loop_flags(job, asynchronous=...)`, called by `clawrl train[-async]` after
-  validate (validate() alone also resolves partial jobs built in Python): a rollout needs --prompt-data
-  and a reward (unless --rollout-function-path or --debug-train-only); --global-batch-size >= the trainer
-  ranks; train-async refuses --colocate; only train-async takes --update-weights-interval != 1;
-  --max-weight-staleness K >= --update-weights-interval (fresh train-async samples are that stale) and
-  >= 2 in train-async / 1 in train (a sample resumed one rollout later is one version staler than it was
-  fresh, so a smaller K would drop nearly every partial).
+- a job a loop runs: `check_loop_flags` in clawrl/config/loop_rules.py, called by `clawrl train[-async]`
+  after validate (validate() alone also resolves partial jobs built in Python).
 - resources: --offload sets both offloads; --colocate defaults both to on and --rollout-num-gpus to the
   trainer's GPUs; unset offloads become False; --rollout-num-gpus-per-engine divides --rollout-num-gpus;
   --multi-node defaults to on with --ray-address.
@@ -53,6 +48,8 @@ values. The rules (slime's batch-size relations and its argument validation, for
 - external engines (--rollout-external-engine-addrs): clawrl starts no engine, so --colocate,
   --rollout-num-gpus > 0, --offload-rollout, --fault-injection and --debug-train-only (which generates
   nothing) are refused.
+- --true-on-policy-mode (alias --true-on-policy): refused with MoE checkpoints, --model-impl hf, LoRA,
+  --rollout-num-gpus-per-engine > 1, external engines, and without CUDA (unless TRITON_INTERPRET=1).
 - weight transport: --update-weight-transport disk needs --update-weight-disk-dir, and the disk flags need
   it; distributed (a broadcast group) cannot share GPUs (--colocate).
 - output: --run-name defaults to run-<timestamp>, --output-dir to outputs/<run name>.
@@ -61,6 +58,7 @@ values. The rules (slime's batch-size relations and its argument validation, for
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import time
@@ -92,6 +90,7 @@ def validate(job: JobConfig) -> JobConfig:
         _run_length,
         _debug,
         _external_engines,
+        _true_on_policy,
         _weight_transport,
         _resources,
         _fault_target,
@@ -436,6 +435,45 @@ def _external_engines(job: JobConfig) -> None:
             )
 
 
+def _true_on_policy(job: JobConfig) -> None:
+    """--true-on-policy-mode: what the batch-invariant kernels (clawrl/models/batch_invariant.py) cannot run."""
+    m, r = job.model, job.resources
+    if not m.uses_true_on_policy:
+        return
+    flag = "--true-on-policy-mode" if m.true_on_policy_mode else "--true-on-policy"
+    conflicts = [
+        ("--model-impl hf (its kernels are clawrl's native Qwen2/Qwen3/Llama code)", m.model_impl == "hf"),
+        (f"--lora-rank {job.train.lora_rank} (the engines serve merged weights)", job.train.lora_rank > 0),
+        (f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} (tensor-parallel engines)",
+         r.rollout_num_gpus_per_engine > 1),
+        ("--rollout-external-engine-addrs (engines clawrl does not run)", bool(r.rollout_external_engine_addrs)),
+        (f"--hf-checkpoint {m.hf_checkpoint} (an MoE model; dense models only)", _is_moe(m.hf_checkpoint)),
+    ]  # fmt: skip
+    for what, present in conflicts:
+        if present:
+            raise ConfigError(f"{flag} cannot be combined with {what}")
+    if not r.ray_address and os.environ.get("TRITON_INTERPRET") != "1" and not _has_cuda():
+        raise ConfigError(f"{flag} needs CUDA GPUs: its Triton kernels run on CPU only under the interpreter "
+                          "(TRITON_INTERPRET=1, for tests)")  # fmt: skip
+
+
+def _is_moe(model_dir: str | None) -> bool:
+    path = os.path.join(model_dir or "", "config.json")
+    if not model_dir or not os.path.isfile(path):
+        return False  # a missing checkpoint is reported where it is loaded
+    with open(path) as f:
+        hf = json.load(f)
+    return "moe" in str(hf.get("model_type", "")) or bool(
+        hf.get("num_experts") or hf.get("num_local_experts")
+    )
+
+
+def _has_cuda() -> bool:
+    import torch  # only with --true-on-policy-mode: validate() stays torch-free otherwise
+
+    return torch.cuda.is_available()
+
+
 def _weight_transport(job: JobConfig) -> None:
     m = job.model
     if m.update_weight_transport == "disk" and not m.update_weight_disk_dir:
@@ -514,69 +552,6 @@ def _partial_rollout(job: JobConfig) -> None:
             f"--over-sampling-batch-size {r.over_sampling_batch_size} = --rollout-batch-size "
             f"{r.rollout_batch_size} and no --dynamic-sampling-filter-path no request is ever left over: "
             "raise --over-sampling-batch-size"
-        )
-
-
-def check_loop_flags(job: JobConfig, *, asynchronous: bool) -> None:
-    """The rules of a job that a loop (`clawrl train` or `clawrl train-async`) runs, after `validate`.
-    Not in `validate` itself, which also resolves partial jobs built in Python (no data, no GPU counts)."""
-    if asynchronous and job.resources.colocate:  # first: no other flag can make this job run
-        raise ConfigError(
-            "--colocate: clawrl train-async needs separate trainer and engine GPUs; drop --colocate"
-        )
-    _weight_update_interval(job, asynchronous)
-    _rollout_inputs(job)  # after the flag combinations: what the run is missing comes last
-    _trainer_ranks(job)
-
-
-def _rollout_inputs(job: JobConfig) -> None:
-    """What the rollout manager needs to make a rollout (nothing with --debug-train-only: it replays dumps)."""
-    r = job.rollout
-    if job.debug.debug_train_only or r.rollout_function_path:
-        return
-    if job.data.prompt_data is None:
-        raise ConfigError("--prompt-data is required (unset) unless --rollout-function-path makes prompts")
-    if not (r.rm_type or r.custom_rm_path or r.custom_generate_function_path):
-        raise ConfigError(
-            "no reward function: pass --rm-type or --custom-rm-path (or a --custom-generate-function-path "
-            "or --rollout-function-path that sets rewards itself)"
-        )
-
-
-def _trainer_ranks(job: JobConfig) -> None:
-    """Every trainer rank joins every optimizer step (FSDP's collectives), so each needs a sample of it."""
-    res, gbs = job.resources, job.train.global_batch_size
-    if job.debug.debug_rollout_only or gbs is None or gbs >= res.actor_num_gpus:
-        return
-    raise ConfigError(
-        f"--global-batch-size {gbs} (samples per optimizer step) is smaller than the {res.actor_num_gpus} "
-        f"trainer ranks (--actor-num-nodes {res.actor_num_nodes} x --actor-num-gpus-per-node "
-        f"{res.actor_num_gpus_per_node}); every rank needs at least one sample per step"
-    )
-
-
-def _weight_update_interval(job: JobConfig, asynchronous: bool) -> None:
-    r = job.rollout
-    interval = r.update_weights_interval
-    if interval != 1 and not asynchronous:
-        raise ConfigError(
-            f"--update-weights-interval {interval} is for clawrl train-async; clawrl train updates the "
-            "engines after every rollout"
-        )
-    if r.max_weight_staleness is None:
-        return
-    least = max(interval, 2) if asynchronous else 1
-    if r.max_weight_staleness < least:
-        why = (
-            f"fresh samples are up to --update-weights-interval {interval} versions stale and a sample "
-            "resumed one rollout later is 1 more, so a smaller K would fail fresh samples or drop nearly "
-            "every partial one"
-            if asynchronous
-            else "a sample resumed in the next rollout is 1 version stale, so K = 0 would drop every partial one"
-        )
-        raise ConfigError(
-            f"--max-weight-staleness {r.max_weight_staleness} must be >= {least} with clawrl "
-            f"{'train-async' if asynchronous else 'train'}: {why}"
         )
 
 

@@ -10,7 +10,7 @@ callback, which also takes what later steps post before it runs); the engine thr
 `generate` (streaming) requests get every StepOutput on their asyncio queue; their coroutine turns token ids
 into text (core/sequence.py's IncrementalDetokenizer) and yields deltas. `generate_full` requests (non-streaming: /generate,
 OpenAI routes, health checks) cost the loop nothing per step: the engine thread adds their StepOutputs to flat
-per-sample lists (request_output.OutputCollector), handed over once when the last sample is done, and the
+per-sample lists (core/request.py's OutputCollector), handed over once when the last sample is done, and the
 text is decoded once. (A rollout's 256 requests would otherwise wake 256 coroutines and decode 256 texts
 every step, holding the GIL that the engine thread needs between GPU steps.)
 
@@ -69,6 +69,21 @@ class EngineUnavailableError(RuntimeError):
     """The engine cannot serve (stuck step, crashed thread, shut down); the server answers HTTP 503."""
 
     status_code = 503
+
+
+@dataclass(kw_only=True)
+class EngineStats:
+    """Counters of the engine thread's core steps since start (cumulative; readers take differences)."""
+
+    steps: int = 0
+    """Core steps run (prefill, decode or mixed)."""
+    busy_s: float = 0.0
+    """Wall seconds inside Engine.step(), the GPU wait included."""
+    outputs: int = 0
+    """Step outputs produced (one per sequence and step: the tokens generated, plus scored prompts)."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {"steps": self.steps, "busy_s": round(self.busy_s, 6), "outputs": self.outputs}
 
 
 @dataclass
@@ -177,6 +192,8 @@ class AsyncEngine(ControlAPI):
         self._pending: dict[str, _Pending] = {}
         self._paused = False
         self._released: set[str] = set()
+        self.stats = EngineStats()
+        """Read by /get_server_info (the rollout logs where its time went: perf/engine_busy_time)."""
         # Shared, written by one thread, read by others (single attribute stores are atomic in CPython).
         self._fatal: EngineUnavailableError | None = None
         self._stopping = False
@@ -373,8 +390,12 @@ class AsyncEngine(ControlAPI):
             self._current = None
 
     def _step(self) -> None:
+        started = time.perf_counter()
         with self.watchdog.busy("step"):
             outputs = self.engine.step()
+        stats = self.stats
+        stats.steps, stats.busy_s = stats.steps + 1, stats.busy_s + (time.perf_counter() - started)
+        stats.outputs += len(outputs)
         # Runs over the whole batch every step on the engine thread: a dict lookup and an append or an add.
         events: list[tuple[str, Any]] = []
         live_requests = self._live

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -47,6 +48,14 @@ class EngineConfig:
     attention_backend: str = "triton"
     """CUDA: "triton" runs the GPU runner (paged Triton kernels, CUDA graphs); "torch" runs the reference
     runner (plain torch attention and sampling, no graphs): slow, the first thing to try on a crash."""
+    weights_cpu_backup: bool = True
+    """CUDA: copy the weights to pinned host memory when they are released and back on resume, so the engine
+    comes back with them. False skips both copies (colocated training: a weight sync refills the weights right
+    after resume); the engine then refuses requests until a weight update has landed."""
+    true_on_policy_mode: bool = False
+    """Batch-invariant kernels (clawrl/models/batch_invariant.py) for the forward and the sampled tokens'
+    logprobs, so a trainer in the same mode recomputes them bit for bit; CUDA (or the Triton interpreter),
+    native dense models, tp_size 1."""
     seed: int = 0
     """Seed of the engine's generator that seeds requests which carry no seed of their own."""
     model_impl: str = "auto"
@@ -85,6 +94,8 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.model_impl must be 'auto', 'native' or 'hf', got {self.model_impl!r}"
             )
+        if self.true_on_policy_mode:
+            _check_true_on_policy(self)
         if self.enable_overlap_schedule is not None and not isinstance(self.enable_overlap_schedule, bool):
             raise ValueError(
                 f"EngineConfig.enable_overlap_schedule must be true, false or null (auto), "
@@ -102,3 +113,21 @@ class EngineConfig:
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+
+
+def _check_true_on_policy(config: EngineConfig) -> None:
+    """The settings the batch-invariant engine path cannot serve, refused with the reason."""
+    if config.tp_size != 1:
+        raise ValueError(f"EngineConfig.true_on_policy_mode needs tp_size 1, got tp_size={config.tp_size}")
+    if config.model_impl == "hf":
+        raise ValueError("EngineConfig.true_on_policy_mode needs the native model code, got model_impl='hf'")
+    if config.attention_backend != "triton":
+        raise ValueError(
+            f"EngineConfig.true_on_policy_mode runs its own Triton kernels, got attention_backend="
+            f"{config.attention_backend!r} (use 'triton')"
+        )
+    if not config.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"EngineConfig.true_on_policy_mode needs a CUDA device, got device={config.device!r} (on CPU "
+            f"its Triton kernels run only under the interpreter, TRITON_INTERPRET=1, for tests)"
+        )

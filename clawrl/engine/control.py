@@ -18,8 +18,10 @@ from typing import Any
 from clawrl.config.engine import CORE_MEMORY_TAGS, MEMORY_TAGS
 from clawrl.engine.core.request import Aborted, Collected, OutputCollector, RequestError
 
-# SGLang's tags. "cuda_graph" is accepted (slime resumes ["kv_cache", "cuda_graph"] after a weight update);
-# the core frees its CUDA graphs whenever it releases anything, so only the other tags reach it.
+# SGLang's tags. "cuda_graph" is accepted (slime resumes ["kv_cache", "cuda_graph"] after a weight update) and
+# does not reach the core: an engine whose memory keeps its addresses (clawrl/cuda_memory.py) keeps its graphs
+# and their memory pool (a few hundred MB) across releases; any other engine frees its graphs whenever it
+# releases anything and recaptures them after resume.
 PAUSE_MODES = ("abort", "in_place", "retract")
 
 

@@ -187,6 +187,7 @@ class WeightReceiver:
         """{weight_version, checksums: {HF name: sha256}} of the engine's weights. Engine thread only."""
         from clawrl.models.hf_io import hf_state_dict
 
+        self.engine.check_weights_resident("weight checksums")
         tp = getattr(self.engine, "tp", None)  # tensor parallel: the full tensors, gathered from every rank
         tensors = (
             tp.full_hf_tensors(self.engine.model) if tp is not None else hf_state_dict(self.engine.model)

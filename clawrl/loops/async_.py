@@ -8,7 +8,7 @@ engines get the trainer's weights after every N-th rollout, so rollout k is gene
 updates older than those that train on it (every sample records its weight versions; the manager logs
 rollout/weight_staleness/{max,mean}). Two syncs happen whatever N is: before an eval (it measures the
 trainer's weights, as in `clawrl train`) and after the last rollout (the engines end on the final weights).
-Needs separate trainer and engine GPUs (no --colocate: `check_loop_flags` in clawrl/config/validate.py
+Needs separate trainer and engine GPUs (no --colocate: `check_loop_flags` in clawrl/config/loop_rules.py
 refuses it before anything starts).
 """
 

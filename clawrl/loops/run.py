@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from clawrl.cluster.health import EngineHealthMonitor
 from clawrl.cluster.placement import PlacementPlan, plan_placement
 from clawrl.cluster.ray_cluster import Reservation, cluster_gpus, reserve, start_ray
 from clawrl.cluster.rollout_actor import RolloutManagerActor
+from clawrl.cluster.startup import StartupClock, early_init_steps, optimizer_steps
 from clawrl.cluster.train_group import TrainGroup
 from clawrl.config.engine import GENERATION_MEMORY_TAGS, MEMORY_TAGS, SYNC_MEMORY_TAGS, engine_dtype
 from clawrl.config.fault import FaultSpec
@@ -80,31 +82,35 @@ class Run:
     """--fault-injection, until it is armed."""
     _restarts_logged: int = 0
     """Engine restarts already counted in an earlier metrics row."""
-    _startup: list[float] | None = None
-    """[start, last phase end] (monotonic) until the first weight sync ends the printed start-up phases."""
+    _trainer_weights_resident: bool = False
+    """Colocated: train() offloaded all but the weights, which the next sync reads and then offloads."""
+    _clock: StartupClock | None = None
+    """Prints the start-up phases until the first weight sync ends them (then None)."""
+    _manager_began: float = 0.0
+    """time.monotonic() when the rollout manager's actor was created."""
 
     # --------------------------------------------------------------------------------------- start
     @classmethod
     def start(cls, job: JobConfig) -> Run:
+        """Start the job's parts. Engines, the rollout manager's process and the trainer ranks start at once;
+        the driver waits for the engines (watching the trainer meanwhile) and connects the manager to them;
+        `init_trainer` then waits for the trainer's model and optimizer, which were built meanwhile."""
         d = job.debug
-        began = time.monotonic()
+        clock = StartupClock()
         start_ray(job.resources.ray_address)
-        logger.info("Ray ready (%.1f s)", time.monotonic() - began)
+        clock.phase("Ray ready", clock.began)
         plan = plan_placement(
             job.resources, cluster_gpus=cluster_gpus(), trainer=not d.debug_rollout_only,
             engines=not d.debug_train_only and not job.resources.rollout_external_engine_addrs,
         )  # fmt: skip
-        run = cls(job=job, plan=plan, _startup=[began, time.monotonic()])
+        run = cls(job=job, plan=plan, _clock=clock)
         threads = 1 if plan.mode == "cpu" else None  # 2-core CPU runs: one thread per process
         try:
             run.reservation = group = reserve(plan)
             if d.dump_details:
                 _save_tokenizer(job.model.hf_checkpoint, d.dump_details)
-            run._start_rollout_side(group, threads)
-            if run.pool is not None:
-                run._phase(f"{len(run.engine_urls)} engine(s) ready")
-            if not d.debug_rollout_only:
-                run.trainer = TrainGroup(job, plan, group, num_threads=threads)
+            run._launch(group, threads)
+            run._connect_rollout_side()
             run.metrics = _metric_logger(job)
             run._start_monitor()
         except BaseException:
@@ -112,8 +118,11 @@ class Run:
             raise
         return run
 
-    def _start_rollout_side(self, group: Reservation | None, threads: int | None) -> None:
-        job, plan, f = self.job, self.plan, self.job.fault
+    def _launch(self, group: Reservation | None, threads: int | None) -> None:
+        """Start every actor of the job without waiting for any to load (only for the trainer ranks'
+        processes to answer): the engines, the rollout manager's process (it imports the rollout code
+        meanwhile and connects to the engines later) and the trainer ranks with their model build."""
+        job, plan = self.job, self.plan
         if job.debug.debug_train_only:
             from clawrl.rollout.replay import ReplaySource
 
@@ -121,30 +130,54 @@ class Run:
                         job.debug.load_debug_rollout_data)  # fmt: skip
             self.replay = ReplaySource(job)
             self.num_rollout = self.replay.num_rollout()
-            return
-        if job.resources.rollout_external_engine_addrs:  # running already: discovered, checked, not started
+        elif job.resources.rollout_external_engine_addrs:  # running already: checked in _connect_rollout_side
             self.pool = ExternalEnginePool(job.resources.rollout_external_engine_addrs,
                                            hf_checkpoint=job.model.hf_checkpoint)  # fmt: skip
         else:
             configs = [engine_config(job, plan, i) for i in range(plan.num_engines)]
             self.pool = EnginePool(configs, group, plan.engine_slots, plan.engine_gpu_fraction,
                                    num_threads=threads, multi_node=bool(job.resources.multi_node))  # fmt: skip
-        urls = self.pool.start(f.engine_start_timeout)
-        self.manager = RolloutManagerActor.options(num_cpus=0, max_concurrency=4).remote(
-            job, urls, num_rollout_gpus=max(len(urls), 1)
-        )
-        pid, node = self._wait(
-            [self.manager.where.remote()], "rollout manager start", f.engine_start_timeout
-        )[0]
-        self.manager_info = [ActorInfo("rollout manager", pid, node)]
-        self.num_rollout = (
-            job.rollout.num_rollout
-            or self._wait(
-                [self.manager.num_rollout_for_epochs.remote()], "counting prompts", f.rollout_timeout
-            )[0]
-        )
+            self.pool.launch(job.fault.engine_start_timeout)
+        if self.pool is not None:
+            self._manager_began = time.monotonic()
+            self.manager = RolloutManagerActor.options(num_cpus=0, max_concurrency=4).remote(job)
         if job.debug.debug_rollout_only:
             logger.info("--debug-rollout-only: no trainer; training, saving and weight sync are skipped")
+            return
+        self.trainer = TrainGroup(job, plan, group, num_threads=threads)
+        steps = early_init_steps(plan, job.train, self.num_rollout or job.rollout.num_rollout)
+        self.trainer.begin(steps)
+
+    def _connect_rollout_side(self) -> None:
+        """Wait for the engines (a trainer rank that fails or runs late meanwhile ends the start at once),
+        connect the rollout manager to them, count the rollouts; then send the trainer's model build if it
+        had to wait for those."""
+        if self.pool is not None:
+            watch = self.trainer.check if self.trainer is not None else None
+            if isinstance(self.pool, ExternalEnginePool):  # running already: discovered and checked here
+                began = time.monotonic()
+                urls, ready_at = self.pool.start(self.job.fault.engine_start_timeout), None
+            else:
+                began = self.pool.began
+                urls, ready_at = self.pool.wait_started(watch), self.pool.ready_at
+            self._clock.phase(f"{len(urls)} engine(s) ready", began, ready_at)
+            self._connect_manager(urls, watch)
+        if self.trainer is not None and not self.trainer.init_begun:
+            # With --colocate the engines have now sized their KV caches: the trainer may take its share.
+            self.trainer.begin_init(optimizer_steps(self.job.train, self.num_rollout))
+
+    def _connect_manager(self, urls: list[str], watch: Callable[[], None] | None) -> None:
+        f = self.job.fault
+        where = self.manager.where.remote()
+        connected = self.manager.connect.remote(urls, num_rollout_gpus=max(len(urls), 1))
+        pid, node = self._wait([where], "rollout manager start", f.engine_start_timeout, poll=watch)[0]
+        self.manager_info = [ActorInfo("rollout manager", pid, node)]
+        self._wait([connected], "rollout manager start", f.engine_start_timeout, poll=watch)
+        self._clock.phase("rollout manager ready", self._manager_began)
+        self.num_rollout = self.job.rollout.num_rollout
+        if not self.num_rollout:
+            count = self.manager.num_rollout_for_epochs.remote()
+            self.num_rollout = self._wait([count], "counting prompts", f.rollout_timeout, poll=watch)[0]
         if f.fault_injection:
             self._fault = FaultSpec.parse(f.fault_injection)
 
@@ -168,16 +201,17 @@ class Run:
         trainer = self.trainer.infos if self.trainer is not None else []
         return [*engines, *self.manager_info, *trainer]
 
-    def _wait(self, refs: list, what: str, timeout_s: float, owner: str = "the rollout manager") -> list:
-        return wait_all(refs, what, timeout_s, self.actor_infos(), [owner] * len(refs))
+    def _wait(self, refs: list, what: str, timeout_s: float, owner: str = "the rollout manager",
+              poll: Callable[[], None] | None = None) -> list:  # fmt: skip
+        return wait_all(refs, what, timeout_s, self.actor_infos(), [owner] * len(refs), poll)
 
     # --------------------------------------------------------------------------------------- steps
     def init_trainer(self) -> int:
-        """Build the trainer; restore the data cursor from the checkpoint; returns the first rollout id."""
+        """Wait for the trainer's model and optimizer (built while the engines loaded, or sent now); restore
+        the data cursor from the checkpoint; returns the first rollout id."""
         if self.trainer is None:
             return 0
-        steps_per_rollout = self.job.train.num_steps_per_rollout or 1
-        start = self.trainer.init(self.num_rollout * steps_per_rollout)
+        start = self.trainer.init(optimizer_steps(self.job.train, self.num_rollout))
         if start > 0:
             logger.info(
                 "resumed from the checkpoint in %s: continuing at rollout %d", self.job.model.load, start
@@ -186,15 +220,10 @@ class Run:
             if self.manager is not None:
                 self._wait([self.manager.load_state_dict.remote(extra.get("rollout", {}))], "data cursor", 60)
         self.engine_version = self.trainer_version = start
-        self._phase(f"trainer ready: {self.plan.num_trainer_ranks} rank(s), model and optimizer built")
+        if self._clock is not None:
+            self._clock.phase(f"trainer ready: {self.plan.num_trainer_ranks} rank(s), model and optimizer built",
+                              self.trainer.began, self.trainer.ready_at)  # fmt: skip
         return start
-
-    def _phase(self, what: str) -> None:
-        """Print a start-up phase as it ends, with its seconds (until the first weight sync)."""
-        if self._startup is not None:
-            now = time.monotonic()
-            logger.info("%s (%.1f s)", what, now - self._startup[1])
-            self._startup[1] = now
 
     def generate(self, rollout_id: int):
         """Rollout `rollout_id`: (TrainBatch, metrics)."""
@@ -287,7 +316,10 @@ class Run:
                 moves["perf/trainer_onload_time"] = timed(self.trainer.onload)[1]
             metrics = self.trainer.train(batch)
             if colocated and res.offload_train:
-                moves["perf/trainer_offload_time"] = timed(self.trainer.offload)[1]
+                # The weights stay for the sync that follows (sync_weights offloads them after it): it reads
+                # them on the device instead of copying them back from the host for it.
+                moves["perf/trainer_offload_time"] = timed(lambda: self.trainer.offload(keep_weights=True))[1]
+                self._trainer_weights_resident = True
             self.trainer_version += 1
         metrics.update(moves)
         records = metrics.pop(TRAIN_RECORDS_KEY, None)
@@ -322,6 +354,7 @@ class Run:
         """
         if self.trainer is None or self.pool is None:  # a half-run: nothing to sync
             return {}
+        began = time.monotonic()
         self._pause_monitor()  # a recovery in progress finishes first; no checks while weights change
         if self.monitor is not None and not self._released():
             self.monitor.check_now()  # every engine must be alive to take the new weights
@@ -330,14 +363,18 @@ class Run:
         if released:
             resume_s += timed(self._resume_engines, SYNC_MEMORY_TAGS)[1]
         metrics = self._push_weights(self.engine_urls, version)
+        if self._trainer_weights_resident:  # colocated: what train() kept for this sync leaves now
+            with self._trainer_lock:
+                metrics["perf/trainer_weights_offload_time"] = timed(self.trainer.offload)[1]
+            self._trainer_weights_resident = False
         if released:
             resume_s += timed(self._resume_engines, GENERATION_MEMORY_TAGS)[1]
             metrics["perf/engine_resume_time"] = resume_s
         self.engine_version = version
-        if self._startup is not None:
-            self._phase("weights synced to the engines")
-            logger.info("start-up done in %.1f s", time.monotonic() - self._startup[0])
-            self._startup = None
+        if self._clock is not None:
+            self._clock.phase("weights synced to the engines", began)
+            self._clock.done()
+            self._clock = None
         return metrics
 
     def _push_weights(self, urls: list[str], version: int) -> dict[str, float]:
@@ -491,7 +528,11 @@ def engine_config(job: JobConfig, plan: PlacementPlan, index: int) -> dict:
         "enable_cuda_graph": device == "cuda" and not flags.sglang_disable_cuda_graph,
         "enable_prefix_caching": not flags.sglang_disable_radix_cache,
         "attention_backend": flags.attention_backend,
+        "true_on_policy_mode": job.model.uses_true_on_policy,
         "tp_size": plan.engine_tp_size,
+        # Released engines of a colocated run get every weight from the sync that follows each resume: no
+        # host copy of the weights on release and resume (0.5-3 GB each way per train step).
+        "weights_cpu_backup": not (plan.mode == "colocate" and job.resources.offload_rollout),
         **flags.sizing(),
     }
     if flags.sglang_max_total_tokens is not None:

@@ -13,7 +13,8 @@ check that could not run in this configuration and why.
 CITestChecks is `--ci-test` (slime's in-run CI assertions, on clawrl's metric names):
   every step   no metric is NaN
                -1 - margin < rollout/log_probs < 0 (mean log-prob per response token; --ci-log-probs-margin)
-               train/train_rollout_logprob_abs_diff (mean and @first) <= its threshold (0.1)
+               train/train_rollout_logprob_abs_diff (mean and @first) <= its threshold (0.1); exactly 0
+               with --true-on-policy-mode
                train/ppo_kl@first == 0 and train/pg_clipfrac@first == 0: the first optimizer step of a
                rollout runs with the weights that computed the old log-probs, so the ratio is exactly 1
   first step   rollout/log_probs == rollout/ref_log_probs (policy == reference before any update)
@@ -139,16 +140,19 @@ class CITestChecks(MetricCheck):
         ref_equal_tolerance: float = 0.0,
         kl_tolerance: float = 0.0,
         logprob_abs_diff_threshold: float = 0.1,
+        true_on_policy: bool = False,
         log_probs_margin: float = math.inf,
         first_step_grad_norm_max: float = math.inf,
         not_run: Mapping[str, str] | None = None,
     ) -> None:
         """not_run: rule id (a key of `self.rules`, e.g. "grad_norm_first") -> why it cannot run in this
         configuration; log_probs_margin and first_step_grad_norm_max default to no bound (their --ci-*
-        flags have finite defaults)."""
+        flags have finite defaults); true_on_policy (--true-on-policy-mode) makes the train/rollout
+        log-prob difference exactly 0, whatever the threshold."""
         self.first_step = first_step
         self.ref_equal_tolerance, self.kl_tolerance = ref_equal_tolerance, kl_tolerance
-        self.logprob_abs_diff_threshold = logprob_abs_diff_threshold
+        self.logprob_abs_diff_threshold = 0.0 if true_on_policy else logprob_abs_diff_threshold
+        self.logprob_abs_diff_flag = "--true-on-policy-mode" if true_on_policy else None
         self.log_probs_low = -1.0 - log_probs_margin
         self.first_step_grad_norm_max = first_step_grad_norm_max
         skip = dict(not_run or {})
@@ -172,7 +176,7 @@ class CITestChecks(MetricCheck):
                 f"in ({low}, 0)",
                 "rollout/log_probs",
             ),
-            "logprob_abs_diff": (f"{diff} (mean, @first)", f"<= {self.logprob_abs_diff_threshold:g}", diff),
+            "logprob_abs_diff": (f"{diff} (mean, @first)", self._abs_diff_bound(), diff),
             "train/ppo_kl@first": ("train/ppo_kl@first (every rollout)", zero_kl, "train/ppo_kl@first"),
             "train/pg_clipfrac@first": (
                 "train/pg_clipfrac@first (every rollout)",
@@ -188,6 +192,10 @@ class CITestChecks(MetricCheck):
             "grad_norm_first": ("train/grad_norm@first (first step)", grad_max, "train/grad_norm@first"),
         }
 
+    def _abs_diff_bound(self) -> str:
+        bound = f"<= {self.logprob_abs_diff_threshold:g}"
+        return f"{bound} ({self.logprob_abs_diff_flag})" if self.logprob_abs_diff_flag else bound
+
     @property
     def counts(self) -> dict[str, int]:
         """How often each rule ran (not at all when its metrics are absent or it is skipped)."""
@@ -197,7 +205,10 @@ class CITestChecks(MetricCheck):
         self._no_nan(step, metrics)
         self._log_probs_range(step, metrics)
         for key in ("train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff@first"):
-            self._upper_bound("logprob_abs_diff", step, metrics, key, self.logprob_abs_diff_threshold)
+            self._upper_bound(
+                "logprob_abs_diff", step, metrics, key, self.logprob_abs_diff_threshold,
+                flag=self.logprob_abs_diff_flag,
+            )  # fmt: skip
         self._zero("train/ppo_kl@first", step, metrics, "train/ppo_kl@first", self.kl_tolerance)
         self._zero("train/pg_clipfrac@first", step, metrics, "train/pg_clipfrac@first", 0.0)
         if step == self.first_step:
@@ -458,6 +469,7 @@ def build_checks(job: JobConfig) -> list[MetricCheck]:
             CITestChecks(
                 check_kl=not ci.ci_disable_kl_checker,
                 logprob_abs_diff_threshold=ci.ci_train_rollout_logprob_abs_diff_threshold,
+                true_on_policy=job.model.uses_true_on_policy,
                 log_probs_margin=ci.ci_log_probs_margin,
                 first_step_grad_norm_max=ci.ci_first_step_grad_norm_max,
                 not_run=not_run_reasons(job),

@@ -31,6 +31,9 @@ from clawrl.models.moe import SparseMoeBlock
 class Attention(TrainKernelSwitch, nn.Module):
     """Projections, optional q/k norm (Qwen3) and RoPE; the attention itself is the backend's."""
 
+    batch_invariant: bool = False
+    """Set by clawrl.models.batch_invariant.enable_batch_invariant: attention through its kernel."""
+
     def __init__(self, args: ModelArgs, layer_idx: int, *, fused: bool):
         super().__init__()
         self.layer_idx, self.fused = layer_idx, fused
@@ -71,7 +74,12 @@ class Attention(TrainKernelSwitch, nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin, fused=self.use_train_kernels(q))
-        out = attn.forward(self.layer_idx, q, k, v, self.scale)
+        if self.batch_invariant:  # --true-on-policy-mode: one attention kernel for engine and trainer
+            from clawrl.models.batch_invariant import attend
+
+            out = attend(attn, self.layer_idx, q, k, v, self.scale)
+        else:
+            out = attn.forward(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -149,7 +157,9 @@ class CausalLM(nn.Module):
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> CausalLM:
         """Materialise a meta-built model on `device` (uninitialised weights) with valid RoPE tables."""
-        super().to_empty(device=device, recurse=recurse)
+        # Not nn.Module.to_empty: its empty_like of a meta tensor runs torch's Python reference, which
+        # imports sympy (~0.8 s of an engine's start-up, which needs no sympy otherwise); torch.empty does not.
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), recurse=recurse)
         self.model.rotary_emb.reset_cache()
         return self
 

@@ -60,15 +60,23 @@ class GroupGenerator:
     timeline: RolloutTimeline | None = None
     """Set by the RolloutManager while a training rollout runs: each training sample's timestamps go there."""
 
-    async def sample(self, sample: Sample, sampling_params: dict[str, Any], evaluation: bool) -> list[Sample]:
-        """Generate (one Sample, or several from a fan-out generate function), then reward what needs it."""
-        timeline, sent = (None if evaluation else self.timeline), time.monotonic()
-        gen = self.generate_fns.for_sample(sample)
-        if sample.status in (Status.COMPLETED, Status.TRUNCATED):  # finished in an earlier rollout
-            samples = [sample]
+    async def sample(
+        self, sample: Sample, sampling_params: dict[str, Any], evaluation: bool, *,
+        generated_with: tuple[float, float] | None = None,
+    ) -> list[Sample]:  # fmt: skip
+        """Generate (one Sample, or several from a fan-out generate function), then reward what needs it.
+        `generated_with` (sent, generated): the sample was already generated in a group batch at those times."""
+        timeline = None if evaluation else self.timeline
+        if generated_with is not None:
+            samples, (sent, generated) = [sample], generated_with
         else:
-            samples = await gen(self.args, sample, sampling_params, evaluation)
-        generated = time.monotonic()
+            sent = time.monotonic()
+            gen = self.generate_fns.for_sample(sample)
+            if sample.status in (Status.COMPLETED, Status.TRUNCATED):  # finished in an earlier rollout
+                samples = [sample]
+            else:
+                samples = await gen(self.args, sample, sampling_params, evaluation)
+            generated = time.monotonic()
         # As slime: aborted samples get no reward; a reward set during generation (agents) is kept.
         todo = [s for s in samples if s.status != Status.ABORTED and s.reward is None]
         if not todo:
@@ -76,6 +84,7 @@ class GroupGenerator:
                 timeline.add(sent, generated)
             return samples
         if self.reward_fn is None:
+            gen = self.generate_fns.for_sample(sample)
             raise ValueError(
                 f"{gen.flag} {gen.path!r} left sample {todo[0].index} without a reward and no reward function "
                 "is configured (--rm-type or --custom-rm-path)"
@@ -92,11 +101,40 @@ class GroupGenerator:
         return samples
 
     async def group(
-        self, group: list[Sample], sampling_params: dict[str, Any], evaluation: bool
-    ) -> list[Sample]:
-        """All samples of one prompt group, generated concurrently, as one flat list in group order."""
-        results = await asyncio.gather(*(self.sample(s, sampling_params, evaluation) for s in group))
+        self, group: list[Sample], sampling_params: dict[str, Any], evaluation: bool, *,
+        on_samples: Callable[[list[Sample]], None] | None = None,
+    ) -> list[Sample]:  # fmt: skip
+        """All samples of one prompt group, generated concurrently, as one flat list in group order. With the
+        default generate function the group's unfinished samples go to the engine as one batch request.
+        `on_samples` is called with each sample's result as soon as it is rewarded (progress counting)."""
+
+        async def one(sample: Sample, generated_with: tuple[float, float] | None) -> list[Sample]:
+            samples = await self.sample(sample, sampling_params, evaluation, generated_with=generated_with)
+            if on_samples is not None:
+                on_samples(samples)
+            return samples
+
+        times = None
+        if len(group) > 1 and all(self._default_generate(s) for s in group):
+            times = await self._generate_batch(group, sampling_params)
+        results = await asyncio.gather(*(one(s, times) for s in group))
         return [s for samples in results for s in samples]
+
+    def _default_generate(self, sample: Sample) -> bool:
+        from clawrl.rollout.generate import generate
+
+        return self.generate_fns.for_sample(sample).fn is generate
+
+    async def _generate_batch(
+        self, group: list[Sample], sampling_params: dict[str, Any]
+    ) -> tuple[float, float]:
+        """Generate the group's unfinished samples in one batch request; returns (sent, generated) times."""
+        from clawrl.rollout.generate import generate_group
+
+        sent = time.monotonic()
+        todo = [s for s in group if s.status not in (Status.COMPLETED, Status.TRUNCATED)]
+        await generate_group(self.args, todo, sampling_params)
+        return sent, time.monotonic()
 
 
 @dataclass(kw_only=True)

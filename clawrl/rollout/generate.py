@@ -86,20 +86,63 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     if ctx.aborted:
         sample.status = Status.ABORTED
         return sample
-    input_ids = prompt_token_ids(sample, ctx.tokenizer)
+    request = _request_of(args, sample, sampling_params, ctx.tokenizer)
+    if request is None:
+        return sample
+    input_ids, params = request
+    payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+    apply_output(sample, await ctx.router.generate(payload, session_id=sample.session_id))
+    return sample
+
+
+async def generate_group(args: Any, samples: list[Sample], sampling_params: dict[str, Any]) -> list[Sample]:
+    """`generate` for several samples in one `/generate` batch request (one sampling_params entry per sample,
+    each with the sample's own seed): the same requests to the engine, so the same tokens, for one HTTP
+    round trip instead of one per sample (the rollout client's cost per request is ~1-3 ms of CPU)."""
+    ctx = rollout_context()
+    if ctx.aborted:
+        for sample in samples:
+            sample.status = Status.ABORTED
+        return samples
+    requests = [(s, _request_of(args, s, sampling_params, ctx.tokenizer)) for s in samples]
+    todo = [(s, request) for s, request in requests if request is not None]
+    if len(todo) == 1:
+        payload = {"input_ids": todo[0][1][0], "sampling_params": todo[0][1][1], "return_logprob": True}
+        outputs = [await ctx.router.generate(payload, session_id=todo[0][0].session_id)]
+    elif todo:
+        payload = {"input_ids": [ids for _, (ids, _) in todo], "sampling_params": [p for _, (_, p) in todo],
+                   "return_logprob": True}  # fmt: skip
+        outputs = await ctx.router.generate(payload, session_id=todo[0][0].session_id)
+        if not isinstance(outputs, list) or len(outputs) != len(todo):
+            raise ValueError(f"the engine answered a batch of {len(todo)} prompts with {_describe(outputs)}")
+    else:
+        outputs = []
+    for (sample, _), output in zip(todo, outputs, strict=True):
+        apply_output(sample, output)
+    return samples
+
+
+def _request_of(
+    args: Any, sample: Sample, sampling_params: dict[str, Any], tokenizer: Any
+) -> tuple[list[int], dict[str, Any]] | None:
+    """(input_ids, sampling params) of the sample's next request; None when it is TRUNCATED already."""
+    input_ids = prompt_token_ids(sample, tokenizer)
     params = dict(sampling_params)
     limit = params.get("max_new_tokens")
     if limit is not None:
         params["max_new_tokens"] = limit - sample.response_length
         if params["max_new_tokens"] <= 0:
             sample.status = Status.TRUNCATED
-            return sample
+            return None
     if params.get("seed") is None and sample.index is not None:
         params["seed"] = int(args.rollout_seed) + sample.index
     if not sample.tokens:
         sample.tokens = list(input_ids)
-    payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
-    output = await ctx.router.generate(payload, session_id=sample.session_id)
+    return input_ids, params
+
+
+def apply_output(sample: Sample, output: dict[str, Any]) -> None:
+    """Append one `/generate` response item to the sample: tokens, log-probs, text, versions, finish."""
     meta = output["meta_info"]
     pairs = meta.get("output_token_logprobs")
     if pairs is None:
@@ -113,7 +156,10 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     versions = segment_versions(meta, len(token_ids))
     sample.weight_versions.extend(versions[:-1])
     sample.apply_finish(meta.get("finish_reason"), versions[-1] if versions else None)
-    return sample
+
+
+def _describe(value: Any) -> str:
+    return f"a list of {len(value)} items" if isinstance(value, list) else type(value).__name__
 
 
 def segment_versions(meta: dict[str, Any], num_tokens: int) -> list[str]:

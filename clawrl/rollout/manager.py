@@ -309,6 +309,7 @@ class RolloutManager:
         partial = PartialStats()
         token = set_rollout_context(ctx)
         timeline = self.generator.timeline = RolloutTimeline(started=started)
+        stats_before = await self.router.engine_stats()
         try:
             if self.rollout_fn is not None:
                 result = await call_rollout_fn(
@@ -338,6 +339,7 @@ class RolloutManager:
             num_rollout_devices=self.num_rollout_devices,
         )
         metrics.update(timeline.metrics(ended))  # where the rollout's time went (clawrl/rollout/timeline.py)
+        metrics.update(engine_busy_metrics(stats_before, await self.router.engine_stats(), ended - started))
         metrics.update(self._staleness(rollout_id, self.last_samples, partial))
         if self.router.fault_tolerant:
             metrics["rollout/requests_retried"] = float(self.router.num_retried - self._retried_before)
@@ -374,14 +376,7 @@ class RolloutManager:
 
     async def _counted_group(self, group: list[Sample], params: dict[str, Any]) -> list[Sample]:
         """GroupGenerator.group, counting each sample into the progress as soon as it is rewarded."""
-
-        async def one(sample: Sample) -> list[Sample]:
-            samples = await self.generator.sample(sample, params, evaluation=False)
-            self.counter.add(samples)
-            return samples
-
-        results = await asyncio.gather(*(one(s) for s in group))
-        return [s for samples in results for s in samples]
+        return await self.generator.group(group, params, False, on_samples=self.counter.add)
 
     def _policy_version(self, rollout_id: int) -> int | None:
         """The trainer's weight version when it trains rollout `rollout_id` (None: no trainer)."""
@@ -553,3 +548,24 @@ def _load_tokenizer(path: str | None) -> Any:
         raise ValueError(
             f"cannot load the tokenizer from {path!r} (--hf-checkpoint / tokenizer_path): {error}"
         ) from None
+
+
+def engine_busy_metrics(
+    before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None, rollout_s: float
+) -> dict[str, float]:
+    """How busy the engines were during a rollout, from their step counters before and after: mean seconds
+    inside the engine step per engine (perf/engine_busy_time), its share of the rollout
+    (perf/engine_busy_ratio) and mean steps per engine (perf/engine_steps). Empty when an engine reports no
+    counters (external SGLang servers) or one was replaced meanwhile."""
+    if not before or not after or set(before) != set(after) or rollout_s <= 0:
+        return {}
+    busy = [after[url]["busy_s"] - before[url]["busy_s"] for url in after]
+    steps = [after[url]["steps"] - before[url]["steps"] for url in after]
+    if min(busy) < 0 or min(steps) < 0:  # a restarted engine's counters began again
+        return {}
+    mean_busy = sum(busy) / len(busy)
+    return {
+        "perf/engine_busy_time": mean_busy,
+        "perf/engine_busy_ratio": mean_busy / rollout_s,
+        "perf/engine_steps": sum(steps) / len(steps),
+    }

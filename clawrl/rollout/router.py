@@ -127,26 +127,40 @@ class EngineRouter:
     # generation
 
     async def generate(self, payload: dict[str, Any], *, session_id: str | None = None) -> Any:
-        """POST /generate with `payload` (SGLang's body) on the chosen engine; the parsed response."""
+        """POST /generate with `payload` (SGLang's body) on the chosen engine; the parsed response. A batch
+        payload counts as one request per prompt, for the concurrency bound and the load balance."""
         if payload.get("stream"):
             raise ValueError("EngineRouter.generate does not stream; send the payload without stream=True")
+        weight = _num_prompts(payload)
         if self._max_concurrent is not None and self._slots is None:
             self._slots = asyncio.Semaphore(self._max_concurrent)
+            self._slots_lock = asyncio.Lock()
         if self._slots is None:
-            return await self._generate_with_failover(payload, session_id)
-        async with self._slots:
-            return await self._generate_with_failover(payload, session_id)
+            return await self._generate_with_failover(payload, session_id, weight)
+        # A batch takes its slots under a lock: two batches taking theirs one by one could each hold part of
+        # the bound and wait for the other forever. A batch larger than the bound takes all of it.
+        held = min(weight, self._max_concurrent)
+        async with self._slots_lock:
+            for _ in range(held):
+                await self._slots.acquire()
+        try:
+            return await self._generate_with_failover(payload, session_id, weight)
+        finally:
+            for _ in range(held):
+                self._slots.release()
 
-    async def _generate_with_failover(self, payload: dict[str, Any], session_id: str | None) -> Any:
+    async def _generate_with_failover(
+        self, payload: dict[str, Any], session_id: str | None, weight: int
+    ) -> Any:
         if self.fault_tolerant:
-            return await self._generate_until_served(payload, session_id)
+            return await self._generate_until_served(payload, session_id, weight)
         tried: list[str] = []
         errors: list[str] = []
         while True:
             url = self._pick(session_id, exclude=tried)
             tried.append(url)
             try:
-                return await self._generate_on(url, payload)
+                return await self._generate_on(url, payload, weight)
             except EngineClientError as error:
                 if not _unreachable(error):
                     raise
@@ -158,7 +172,9 @@ class EngineRouter:
                         + "; ".join(errors)
                     ) from error
 
-    async def _generate_until_served(self, payload: dict[str, Any], session_id: str | None) -> Any:
+    async def _generate_until_served(
+        self, payload: dict[str, Any], session_id: str | None, weight: int
+    ) -> Any:
         """Fault tolerance: a request whose engine fails at the transport level (refused, reset, 502/503) is
         re-sent to a live engine, or waits for a replacement, until `request_timeout_s` has passed. Nothing of
         a failed attempt is kept (the caller appends only a complete response), and the request carries its
@@ -177,7 +193,7 @@ class EngineRouter:
                 continue
             url = self._pick(session_id, exclude=[u for u in self._urls if u in self._dead])
             try:
-                return await self._generate_on(url, payload)
+                return await self._generate_on(url, payload, weight)
             except EngineClientError as error:
                 if not _engine_failed(error) or time.monotonic() > deadline:
                     raise
@@ -206,9 +222,9 @@ class EngineRouter:
                 del self._sessions[session]
         self._stale_clients.append(stale)
 
-    async def _generate_on(self, url: str, payload: dict[str, Any]) -> Any:
+    async def _generate_on(self, url: str, payload: dict[str, Any], weight: int = 1) -> Any:
         client = self._clients[url]
-        self._outstanding[url] += 1
+        self._outstanding[url] += weight
         if self._fault is not None and self._fault[0] == url:
             fire, self._fault = self._fault[1], None
             asyncio.get_running_loop().call_later(0.05, fire)  # once the request has reached the engine
@@ -224,7 +240,7 @@ class EngineRouter:
             ) from None
         finally:
             if url in self._outstanding:  # the engine may have been replaced meanwhile
-                self._outstanding[url] -= 1
+                self._outstanding[url] -= weight
         if url in self._served:
             self._served[url] += 1
         return result
@@ -294,6 +310,24 @@ class EngineRouter:
             )
         return statuses
 
+    async def engine_stats(self) -> dict[str, dict[str, float]] | None:
+        """Each live engine's cumulative step counters (/get_server_info's "engine_stats"), or None when an
+        engine does not report them (an SGLang server) or does not answer within the health deadline."""
+        urls = [url for url in self._urls if url not in self._dead]
+
+        async def one(url: str) -> dict[str, float] | None:
+            try:
+                info = await self._bounded(self._clients[url].get_server_info(), url, "/get_server_info")
+            except EngineClientError:
+                return None
+            stats = info.get("engine_stats") if isinstance(info, dict) else None
+            return stats if isinstance(stats, dict) else None
+
+        results = await asyncio.gather(*(one(url) for url in urls))
+        if not urls or any(r is None for r in results):
+            return None
+        return dict(zip(urls, results, strict=True))
+
     async def _health_of(self, url: str) -> dict[str, Any]:
         started = time.monotonic()
         call = self._clients[url].health_generate(timeout=self.health_timeout_s)
@@ -323,3 +357,15 @@ class EngineRouter:
         """Close the HTTP clients (call from the loop that used the router)."""
         clients = [*self._clients.values(), *self._stale_clients]
         await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
+
+
+def _num_prompts(payload: dict[str, Any]) -> int:
+    """Prompts of a /generate body times samples per prompt (a batch gives lists of prompts)."""
+    prompts = payload.get("input_ids") if payload.get("input_ids") is not None else payload.get("text")
+    batch = (
+        len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], (list, str)) else 1
+    )
+    params = payload.get("sampling_params") or {}
+    first = params[0] if isinstance(params, list) and params else params
+    n = first.get("n", 1) if isinstance(first, dict) else 1
+    return max(1, batch) * max(1, int(n) if isinstance(n, int) else 1)

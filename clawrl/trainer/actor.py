@@ -1,7 +1,7 @@
 """TrainActor: one data-parallel rank of the FSDP2 policy trainer, usable in-process or as a Ray actor.
 
     actor = TrainActor(job, rank=0, world_size=1, master_port=free_port())
-    start_rollout_id = actor.init()                # builds model + FSDP2 + AdamW, loads --load if present
+    start_rollout_id = actor.init()                # builds model (+ FSDP2) + AdamW, loads --load if present
     metrics = actor.train(train_batch)             # log-probs, ref log-probs, advantages, optimizer steps
     actor.save(rollout_id)                          # --save checkpoint (collective)
     for bucket in actor.weight_buckets(): ...      # (HF name, full tensor) buckets for weight sync
@@ -14,6 +14,11 @@ save/load and offload/onload include it.
 With --lora-rank N the policy's targeted linear layers get LoRA adapters (clawrl/models/lora.py): only
 they train and have optimizer state; weight sync, checksums and HF export see the merged weights; the
 checkpoint holds the adapters (clawrl/trainer/lora_state.py); the reference is the base (adapters off).
+
+With one rank (and without --no-fast-single-rank) there is no FSDP2: `actor.model` is a plain module in the
+compute dtype (bf16 on GPU) and `actor.master` its fp32 master copy, which the optimizer steps and
+checkpoints, exports and weight sync read (clawrl/trainer/single_rank.py); with FSDP2 both are the one
+sharded module.
 
 All ranks of a job call the same methods in the same order (they run collectives).
 """
@@ -44,7 +49,7 @@ from clawrl.models.moe import moe_aux_loss_metric, record_router_logits
 from clawrl.trainer import checkpoint as ckpt
 from clawrl.trainer.critic import Critic
 from clawrl.trainer.distributed import all_reduce_sum, free_port, init_distributed
-from clawrl.trainer.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh, reshard_all
+from clawrl.trainer.fsdp import build_mesh
 from clawrl.trainer.lora_state import lora_meta, lora_reference, lora_spec_of
 from clawrl.trainer.loss import LossFunction
 from clawrl.trainer.offload import HostOffload
@@ -58,6 +63,7 @@ from clawrl.trainer.rl_step import (
     per_sample_mean,
     plan_steps,
 )
+from clawrl.trainer.single_rank import use_single_rank, wrap_for_training
 from clawrl.trainer.train_dump import TRAIN_RECORDS_KEY, TrainDataRecorder
 from clawrl.trainer.weights import (
     WeightBank,
@@ -95,10 +101,16 @@ class TrainActor:
         init_distributed(rank=self.rank, world_size=self.world_size, master_addr=self.master_addr,
                          master_port=self.master_port, device_type=self.device.type)  # fmt: skip
         torch.manual_seed(self.job.train.seed)
-        self.model = self._build_model()
+        self.single_rank = use_single_rank(self.job.train.fast_single_rank, self.world_size)
+        """Trained without FSDP2: a compute-dtype module and an fp32 master (clawrl/trainer/single_rank.py)."""
+        self.wrapped = self._build_model()
+        self.model = self.wrapped.compute
+        """The module that runs forward and backward (with FSDP2 also the master)."""
+        self.master = self.wrapped.master
+        """The trained weights at full precision: what the optimizer steps, checkpoints save, exports read."""
         train = self.job.train
         self.optimizer = build_adamw(
-            self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+            self.master.parameters(), lr=train.lr, weight_decay=train.weight_decay,
             betas=(train.adam_beta1, train.adam_beta2),
         )  # fmt: skip
         self.schedule = LRSchedule(
@@ -109,7 +121,8 @@ class TrainActor:
         self.loss_fn = self._build_loss()
         if self.job.algo.advantage_estimator == "ppo":
             self.critic = Critic(self.job, mesh=self.mesh, device=self.device, world_size=self.world_size,
-                                 total_optimizer_steps=total_optimizer_steps)  # fmt: skip
+                                 total_optimizer_steps=total_optimizer_steps,
+                                 single_rank=self.single_rank)  # fmt: skip
         return self._maybe_load()
 
     def _build_model(self):
@@ -122,15 +135,18 @@ class TrainActor:
             model = load_hf_model(model_cfg.hf_checkpoint, device=self.device)
         else:
             model = load_model(model_cfg.hf_checkpoint, fused=False, device=self.device, dtype=torch.float32)
-            if self.job.train.train_kernels == "triton":  # fused RMSNorm/SiLU/RoPE on CUDA tensors only
+            if model_cfg.uses_true_on_policy:  # the engines' batch-invariant kernels (--true-on-policy-mode)
+                from clawrl.models.batch_invariant import enable_batch_invariant
+
+                enable_batch_invariant(model)
+            elif self.job.train.train_kernels == "triton":  # fused RMSNorm/SiLU/RoPE on CUDA tensors only
                 enable_train_kernels(model)
-        if self.lora is not None:  # before FSDP: its units shard the frozen base and the adapters alike
+        if self.lora is not None:  # before wrapping: FSDP2 shards the frozen base and the adapters alike
             apply_lora(model, self.lora)
-        if model_cfg.gradient_checkpointing:
-            apply_activation_checkpointing(model)
         compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.mesh = build_mesh(self.device.type, self.world_size)
-        return apply_fsdp(model, self.mesh, compute_dtype=compute_dtype)
+        return wrap_for_training(model, self.mesh, compute_dtype=compute_dtype, single_rank=self.single_rank,
+                                 activation_checkpointing=model_cfg.gradient_checkpointing)  # fmt: skip
 
     def _needs_ref(self) -> bool:
         algo = self.job.algo
@@ -160,9 +176,10 @@ class TrainActor:
         if not self.job.model.load or ckpt.latest_iteration(self.job.model.load) is None:
             return 0
         meta = ckpt.load_checkpoint(
-            self.job.model.load, self.model, self.optimizer, trainable_only=self.lora is not None,
+            self.job.model.load, self.master, self.optimizer, trainable_only=self.lora is not None,
             check_meta=lambda saved, path: ckpt.check_lora_meta(saved.get("lora"), self.lora, path),
         )  # fmt: skip
+        self.wrapped.after_load()
         self.schedule.load_state_dict(meta["schedule"])
         if self.critic is not None:
             self.critic.load(self.job.model.load, int(meta["next_rollout_id"]))
@@ -296,12 +313,12 @@ class TrainActor:
         return out
 
     def _optimizer_step(self, batch, step, per_token, temperature, *, recorder=None, step_index=0):
-        self.optimizer.zero_grad(set_to_none=True)
+        self.wrapped.zero_grad(self.optimizer)
         sums: dict[str, torch.Tensor] = {}
         mbs = micro_batches(batch, step, self.rank, self.device, per_token)
         step_tokens = sum(batch.total_lengths[i] for i in step.sample_ids)
         for mb_index, (mb, is_last) in enumerate(_with_last(mbs)):
-            self._defer_grad_sync(until_last=is_last)
+            self.wrapped.before_backward(is_last=is_last)
             with record_router_logits(self.model) as router_logits:  # MoE models only; logged, not trained
                 if self.loss_fn.wants_logits:
                     entropy = None
@@ -318,26 +335,19 @@ class TrainActor:
                 recorder.add_micro_batch(step_index, mb_index, mb, entropy)
             # FSDP averages gradients over ranks; the loss terms are already global sums, so undo the mean.
             (loss * self.world_size).backward()
+            self.wrapped.after_backward(is_first=mb_index == 0)
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().double()
         names = sorted(sums)
         totals = all_reduce_sum(torch.stack([torch.as_tensor(sums[n]) for n in names]).to(self.device))
         out = {f"train/{n}": float(v) for n, v in zip(names, totals.tolist(), strict=True)}
         what = f"gradient norm at optimizer step {self.schedule.step_count}"
-        out["train/grad_norm"] = clip_grad_norm(self.model, self.job.train.clip_grad, what)
+        out["train/grad_norm"] = clip_grad_norm(self.master, self.job.train.clip_grad, what)
         out["train/lr"] = self.schedule.apply()
         self.optimizer.step()
+        self.wrapped.after_step()
         self.schedule.advance()
         return out
-
-    def _defer_grad_sync(self, *, until_last: bool) -> None:
-        """With one rank, keep the bf16 parameters and accumulate fp32 gradients across micro-batches and
-        "reduce" (a copy into the sharded fp32 gradients) once, after the last: the same fp32 sums in the
-        same order, without a parameter cast and a gradient copy per micro-batch. With several ranks each
-        micro-batch's gradients are reduce-scattered as they come (no full-size gradients per rank)."""
-        if self.world_size == 1:
-            self.model.set_requires_gradient_sync(until_last)
-            self.model.set_reshard_after_backward(until_last)
 
     # ------------------------------------------------------------------------------------------ state
     def save(self, rollout_id: int, extra: dict[str, Any] | None = None) -> str:
@@ -350,7 +360,7 @@ class TrainActor:
         with self._onloaded("params", "optim", "critic_params", "critic_optim"):
             if self.critic is not None:  # first: the policy's tracker, written last, vouches for both
                 self.critic.save(self.job.model.save, rollout_id, {"extra": extra or {}})
-            path = ckpt.save_checkpoint(self.job.model.save, rollout_id, self.model, self.optimizer, meta,
+            path = ckpt.save_checkpoint(self.job.model.save, rollout_id, self.master, self.optimizer, meta,
                                         trainable_only=self.lora is not None)  # fmt: skip
         return str(path)
 
@@ -373,10 +383,10 @@ class TrainActor:
         adapter: dict[str, torch.Tensor] | None = {} if self.lora is not None else None
         try:
             with self._onloaded("params"):
-                for name, tensor in iter_full_tensors(self.model, dtype):  # LoRA: the merged weights
+                for name, tensor in iter_full_tensors(self.master, dtype):  # LoRA: the merged weights
                     if self.rank == 0:
                         state[name] = tensor.to("cpu")
-                for name, tensor in iter_adapter_tensors(self.model) if adapter is not None else ():
+                for name, tensor in iter_adapter_tensors(self.master) if adapter is not None else ():
                     if self.rank == 0:
                         adapter[name] = tensor.to("cpu")
             if self.rank == 0:
@@ -398,34 +408,43 @@ class TrainActor:
         Works while offloaded: the parameter shards come back for the gather and leave again at the end."""
         with self._onloaded("params"):
             yield from iter_weight_buckets(
-                iter_full_tensors(self.model, dtype), self.job.model.update_weight_buffer_size
+                iter_full_tensors(self.master, dtype), self.job.model.update_weight_buffer_size
             )
 
     def checksums(self, dtype: torch.dtype | None = None) -> dict[str, str]:
         """sha256 per HF tensor of the current weights (collective; every rank returns the same dict)."""
         with self._onloaded("params"):
-            return {name: tensor_checksum(t) for name, t in iter_full_tensors(self.model, dtype)}
+            return {name: tensor_checksum(t) for name, t in iter_full_tensors(self.master, dtype)}
 
     # ------------------------------------------------------------------------------------------ memory
-    def offload(self) -> int:
+    def offload(self, *, keep_weights: bool = False) -> int:
         """Free this rank's device memory for colocated engines (--colocate): parameter shards, optimizer
         state, reference shards and (ppo) the critic's shards and optimizer state move to host memory
-        (pinned on GPU); gradients are dropped (every optimizer step starts from zero). Returns the bytes moved; a no-op when already offloaded.
+        (pinned on GPU); gradients are dropped (every optimizer step starts from zero). Returns the bytes
+        moved; what is offloaded already is left as it is.
+
+        keep_weights: the policy's parameters stay on the device (everything else goes), so the weight sync
+        that follows reads them there instead of bringing them back for it; a later `offload()` moves them.
         Not collective. `train()` needs `onload()` first; save/export/weight sync work either way."""
-        if self.is_offloaded:
-            return 0
-        self.optimizer.zero_grad(set_to_none=True)
-        reshard_all(self.model)  # gathered (unsharded) parameters are freed, not copied
-        moved = self._host["params"].offload([*self.model.parameters(), *self.model.buffers()])
-        states = self.optimizer.state.values()
-        moved += self._host["optim"].offload([v for st in states for v in st.values() if torch.is_tensor(v)])
-        if self.ref_bank is not None:
-            moved += self._host["ref"].offload(self.ref_bank.shards)
-        if self.critic is not None:
-            self.critic.optimizer.zero_grad(set_to_none=True)
-            params, optim_state = self.critic.tensors()
-            moved += self._host["critic_params"].offload(params)
-            moved += self._host["critic_optim"].offload(optim_state)
+        moved = 0
+        if not self._host["optim"].is_offloaded:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.wrapped.release_grads()
+            states = self.optimizer.state.values()
+            moved += self._host["optim"].offload(
+                [v for st in states for v in st.values() if torch.is_tensor(v)]
+            )
+            if self.ref_bank is not None:
+                moved += self._host["ref"].offload(self.ref_bank.shards)
+            if self.critic is not None:
+                self.critic.optimizer.zero_grad(set_to_none=True)
+                self.critic.wrapped.release()
+                params, optim_state = self.critic.tensors()
+                moved += self._host["critic_params"].offload(params)
+                moved += self._host["critic_optim"].offload(optim_state)
+        if not keep_weights and not self._host["params"].is_offloaded:
+            self.wrapped.release()  # first: the host offload hands every freed block back to the driver
+            moved += self._host["params"].offload(self.wrapped.offload_tensors())
         return moved
 
     def onload(self) -> None:
@@ -433,6 +452,9 @@ class TrainActor:
         for host in self._host.values():
             if host.is_offloaded:
                 host.onload()
+        self.wrapped.restore()  # the fast path's compute copies, rebuilt from the onloaded master
+        if self.critic is not None:
+            self.critic.wrapped.restore()
 
     @property
     def is_offloaded(self) -> bool:

@@ -10,8 +10,9 @@ head `value_head = nn.Linear(hidden_size, 1)` instead of the LM head. The value 
 head's output at the position that PREDICTS token t (the row whose hidden state the policy turns into token
 t's log-prob): V(prompt + response[:t]), the state before the action is taken. Values are read without the
 rollout temperature. Each trainer rank builds it next to its policy shard ("critic placement beside the
-actor"): FSDP2 over the same mesh, its own AdamW at --critic-lr (default --lr) and its own schedule
-(--critic-lr-warmup-iters, the policy's --lr-decay-style and --min-lr).
+actor"): FSDP2 over the same mesh (or, like the policy, the single-rank fast path), its own AdamW at
+--critic-lr (default --lr) and its own schedule (--critic-lr-warmup-iters, the policy's --lr-decay-style and
+--min-lr).
 
 Initial weights, `--critic-load` (default --hf-checkpoint): an HF model directory gives the trunk; a clawrl
 --save directory of a critic (`<save>/critic`) gives trunk and head; one of a policy gives the trunk. A new
@@ -36,10 +37,10 @@ from clawrl.models.decoder import DecoderModel
 from clawrl.models.hf_io import load_model
 from clawrl.trainer import checkpoint as ckpt
 from clawrl.trainer.distributed import all_reduce_sum
-from clawrl.trainer.fsdp import apply_activation_checkpointing, apply_fsdp, reshard_all
 from clawrl.trainer.loss import aggregation_mode
 from clawrl.trainer.optim import LRSchedule, build_adamw, clip_grad_norm
 from clawrl.trainer.rl_step import micro_batches, per_sample_mean
+from clawrl.trainer.single_rank import wrap_for_training
 
 
 class ValueModel(nn.Module):
@@ -105,21 +106,22 @@ def _load_state(model: ValueModel, state: dict[str, torch.Tensor], source: str) 
 
 
 class Critic:
-    """The critic of one trainer rank: the FSDP-sharded ValueModel, its optimizer and LR schedule."""
+    """The critic of one trainer rank: the ValueModel (FSDP2 or single-rank), its optimizer and LR schedule."""
 
     def __init__(self, job: JobConfig, *, mesh, device: torch.device, world_size: int,
-                 total_optimizer_steps: int | None):  # fmt: skip
+                 total_optimizer_steps: int | None, single_rank: bool = False):  # fmt: skip
         self.job, self.device, self.world_size = job, device, world_size
         train = job.train
         source = train.critic_load or job.model.hf_checkpoint
         model = build_value_model(source, job.model.hf_checkpoint, device)
-        if job.model.gradient_checkpointing:
-            apply_activation_checkpointing(model)
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.model = apply_fsdp(model, mesh, compute_dtype=compute_dtype)
+        # The policy's choice (clawrl/trainer/single_rank.py): FSDP2, or one rank's bf16 module + fp32 master.
+        self.wrapped = wrap_for_training(model, mesh, compute_dtype=compute_dtype, single_rank=single_rank,
+                                         activation_checkpointing=job.model.gradient_checkpointing)  # fmt: skip
+        self.model, self.master = self.wrapped.compute, self.wrapped.master
         lr = train.lr if train.critic_lr is None else train.critic_lr
         self.optimizer = build_adamw(
-            self.model.parameters(), lr=lr, weight_decay=train.weight_decay,
+            self.master.parameters(), lr=lr, weight_decay=train.weight_decay,
             betas=(train.adam_beta1, train.adam_beta2),
         )  # fmt: skip
         self.schedule = LRSchedule(
@@ -163,24 +165,24 @@ class Critic:
         """One optimizer step of the clipped value loss over `step`'s samples; the step's metrics
         (train/value_loss, train/value_clipfrac, train/critic_grad_norm, train/critic_lr)."""
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.wrapped.zero_grad(self.optimizer)
         per_token = {"old_values": values, "returns": returns}
         mbs = micro_batches(batch, step, rank, self.device, per_token)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for index, mb in enumerate(mbs):
-            if self.world_size == 1:  # as the policy: one gradient "reduce" after the last micro-batch
-                self.model.set_requires_gradient_sync(index == len(mbs) - 1)
-                self.model.set_reshard_after_backward(index == len(mbs) - 1)
+            self.wrapped.before_backward(is_last=index == len(mbs) - 1)
             loss, clipfrac = self._micro_batch_loss(mb, step.counts)
             # FSDP averages gradients over ranks; the loss is already a global sum, so undo the mean.
             (loss * self.world_size).backward()
+            self.wrapped.after_backward(is_first=index == 0)
             sums += torch.stack([loss.detach(), clipfrac]).double()
         value_loss, value_clipfrac = all_reduce_sum(sums).tolist()
         out = {"train/value_loss": value_loss, "train/value_clipfrac": value_clipfrac}
         what = f"critic gradient norm at step {self.schedule.step_count}"
-        out["train/critic_grad_norm"] = clip_grad_norm(self.model, self.job.train.clip_grad, what)
+        out["train/critic_grad_norm"] = clip_grad_norm(self.master, self.job.train.clip_grad, what)
         out["train/critic_lr"] = self.schedule.apply()
         self.optimizer.step()
+        self.wrapped.after_step()
         self.schedule.advance()
         return out
 
@@ -205,7 +207,7 @@ class Critic:
     def save(self, root: str, rollout_id: int, meta: dict[str, Any]) -> Path:
         """Collective: the critic's checkpoint under `<root>/critic` (model, optimizer, schedule)."""
         meta = {**meta, "schedule": self.schedule.state_dict()}
-        return ckpt.save_checkpoint(ckpt.critic_root(root), rollout_id, self.model, self.optimizer, meta)
+        return ckpt.save_checkpoint(ckpt.critic_root(root), rollout_id, self.master, self.optimizer, meta)
 
     def load(self, root: str, iteration: int) -> None:
         """Collective: resume from `<root>/critic`, which must hold the policy's `iteration` as its latest."""
@@ -217,12 +219,12 @@ class Critic:
                 f"--load {root}: the policy checkpoint is iteration {iteration} but {critic_dir} has {what} "
                 "(--advantage-estimator ppo resumes the critic from the same iteration)"
             )
-        meta = ckpt.load_checkpoint(critic_dir, self.model, self.optimizer)
+        meta = ckpt.load_checkpoint(critic_dir, self.master, self.optimizer)
+        self.wrapped.after_load()
         self.schedule.load_state_dict(meta["schedule"])
 
     def tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(parameters + buffers, optimizer state tensors) for offloading to host memory."""
-        reshard_all(self.model)
-        params = [*self.model.parameters(), *self.model.buffers()]
+        params = self.wrapped.offload_tensors()
         states = self.optimizer.state.values()
         return params, [v for st in states for v in st.values() if torch.is_tensor(v)]

@@ -1,8 +1,10 @@
 """Apply FSDP2 to a decoder: one `fully_shard` unit per transformer block, plus the root.
 
-The model knows nothing about distribution (torchtitan's rule): this function is the only place that does.
+The model knows nothing about distribution (torchtitan's rule): this module and the single-rank fast path
+(clawrl/trainer/single_rank.py, which chooses between the two) are the only places that do.
 On GPU parameters stay fp32 (the optimizer's master weights) and are cast to bf16 for compute, with fp32
-gradient reduction; on CPU everything is fp32.
+gradient reduction; on CPU everything is fp32. `FsdpModel` gives an FSDP2 module the trainer's interface
+(the same as `SingleRankModel`'s): `compute` and `master` are the one sharded module.
 """
 
 from __future__ import annotations
@@ -30,6 +32,49 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, compute_dtype: torch.dtype
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+class FsdpModel:
+    """An FSDP2-wrapped module behind the trainer's interface (see clawrl/trainer/single_rank.py)."""
+
+    def __init__(self, model: nn.Module, *, world_size: int):
+        self.compute = self.master = model
+        self.world_size = world_size
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def before_backward(self, *, is_last: bool) -> None:
+        """With one rank, keep the bf16 parameters and accumulate fp32 gradients across micro-batches and
+        "reduce" (a copy into the sharded fp32 gradients) once, after the last: the same fp32 sums in the
+        same order, without a parameter cast and a gradient copy per micro-batch. With several ranks each
+        micro-batch's gradients are reduce-scattered as they come (no full-size gradients per rank)."""
+        if self.world_size == 1:
+            self.compute.set_requires_gradient_sync(is_last)
+            self.compute.set_reshard_after_backward(is_last)
+
+    def after_backward(self, *, is_first: bool) -> None:
+        """Nothing: FSDP2's own hooks have moved the gradients."""
+
+    def after_step(self) -> None:
+        """Nothing: the next forward gathers (and casts) the updated shards."""
+
+    def after_load(self) -> None:
+        """Nothing: the shards were loaded in place."""
+
+    def offload_tensors(self) -> list[torch.Tensor]:
+        """Parameter shards and buffers (gathered parameters are freed first, not copied)."""
+        reshard_all(self.master)
+        return [*self.master.parameters(), *self.master.buffers()]
+
+    def release(self) -> None:
+        """Nothing beyond the optimizer's zero_grad: the shards are all there is."""
+
+    def release_grads(self) -> None:
+        """Nothing beyond the optimizer's zero_grad (see `release`)."""
+
+    def restore(self) -> None:
+        """Nothing (see `release`)."""
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -70,6 +70,11 @@ def micro_batches(batch, step: StepPlan, rank: int, device, per_token=None) -> l
 def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: bool):
     """Response-token log-probs (and entropy) of one micro-batch: [M] fp32 each."""
     hidden = model(mb.input_ids_N, mb.positions_N, mb.attn)
+    if getattr(model, "batch_invariant", False):  # --true-on-policy-mode: the engine's LM-head and log-prob
+        from clawrl.models import batch_invariant  # kernels (imports Triton: only in this mode)
+
+        logits = batch_invariant.linear(hidden[mb.logit_rows_M], model.lm_head.weight)
+        return batch_invariant.log_probs_of(logits, mb.targets_M, temperature, with_entropy=with_entropy)
     return linear_log_probs(
         hidden[mb.logit_rows_M], model.lm_head.weight, mb.targets_M, temperature=temperature,
         with_entropy=with_entropy,

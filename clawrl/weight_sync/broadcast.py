@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -115,19 +115,31 @@ class BroadcastSender(WeightSender):
         futures = {url: self.submit(url, "update_weights_from_distributed", **body) for url in self.urls}
         tensors = dict(bucket)
         what = bucket_label(index, bucket)
+        check = functools.partial(self._first_engine_error, futures, f"receiving {what}", index)
         for group in groups:
             flat = torch.empty(group.numel, dtype=group.torch_dtype, device=self.device)
             fill_flat(group, flat, tensors)
-            check = functools.partial(self._first_engine_error, futures, f"receiving {what}", index)
-            try:
-                broadcast_from_rank0(self._group, flat, self.timeout_s, check=check)
-            except WeightSyncError:
-                raise
-            except Exception as error:
-                check()
-                raise WeightSyncError(f"weight sync: broadcast of {what} ({group.dtype}) to {self.urls} failed: "
-                                      f"{error}", bucket=index) from error  # fmt: skip
+            self._broadcast(flat, f"{what} ({group.dtype})", index, check)
+        return self._inflight_bucket(index, what, futures, bucket, started)
+
+    def _broadcast(self, payload: torch.Tensor, what: str, index: int, check: Callable[[], None]) -> None:
+        """One broadcast of `payload` from rank 0 to every engine. `check` raises the first engine's own error
+        (it names the engine); any other failure becomes one WeightSyncError naming `what` and the bucket."""
+        try:
+            broadcast_from_rank0(self._group, payload, self.timeout_s, check=check)
+        except WeightSyncError:
+            raise
+        except Exception as error:
+            # an engine that failed first explains the broken collective better than the collective itself
+            check()
+            raise WeightSyncError(f"weight sync: broadcast of {what} to {self.urls} failed: {error}",
+                                  bucket=index) from error  # fmt: skip
+
+    def _inflight_bucket(self, index: int, what: str, futures: dict[str, concurrent.futures.Future],
+                  bucket: list[tuple[str, torch.Tensor]], started: float) -> InflightBucket:  # fmt: skip
+        """The record of a bucket whose broadcasts are done and whose engine replies are awaited."""
         num_bytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        # nothing to release: the flat buffers are freed when the loop drops them
         return InflightBucket(index=index, what=what, futures=futures, release=lambda: None, num_bytes=num_bytes,
                               prepare_s=time.perf_counter() - started)  # fmt: skip
 

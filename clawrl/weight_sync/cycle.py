@@ -56,10 +56,13 @@ def push_weights(
     included) and, with `checksums`, perf/check_weight_update_time. Raises WeightSyncError naming the
     engine and bucket, or WeightMismatchError naming the engines and tensors that differ."""
     started = time.perf_counter()
-    num_bytes = _send_all(transport, buckets, str(version))
+    timed_buckets = _TimedIterator(buckets)
+    num_bytes = _send_all(transport, timed_buckets, str(version))
     metrics = {
         "perf/update_weights_bytes": float(num_bytes),
         "perf/update_weights_time": time.perf_counter() - started,
+        # Of which: producing the buckets (onload, gather, cast to the engine dtype) on this rank.
+        "perf/update_weights_gather_time": timed_buckets.seconds,
     }
     if checksums is not None:
         started = time.perf_counter()
@@ -85,6 +88,24 @@ def _send_all(transport: Transport | None, buckets: Iterable[Bucket], version: s
     finally:
         sender.close()  # frees in-flight buckets and leaves the broadcast group, also after a failure
     return num_bytes
+
+
+class _TimedIterator:
+    """Iterates `items`, adding up the seconds spent inside the producer (its generator's code)."""
+
+    def __init__(self, items: Iterable[Bucket]):
+        self._items = iter(items)
+        self.seconds = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Bucket:
+        started = time.perf_counter()
+        try:
+            return next(self._items)
+        finally:
+            self.seconds += time.perf_counter() - started
 
 
 def _num_bytes(bucket: Bucket) -> int:

@@ -25,10 +25,9 @@ from typing import Any
 
 import torch
 
-from clawrl.weight_sync.base import InflightBucket, WeightSyncError, bucket_label
+from clawrl.weight_sync.base import InflightBucket, bucket_label
 from clawrl.weight_sync.broadcast import BroadcastSender
 from clawrl.weight_sync.flat import describe_bucket
-from clawrl.weight_sync.wire import broadcast_from_rank0
 
 
 def sglang_client(url: str, *, timeout: float) -> Any:
@@ -76,17 +75,8 @@ class SglangDistributedSender(BroadcastSender):
         check = functools.partial(self._first_engine_error, futures, f"receiving {what}", index)
         for name, tensor in bucket:
             payload = tensor.detach().to(self.device).contiguous()
-            try:
-                broadcast_from_rank0(self._group, payload, self.timeout_s, check=check)
-            except WeightSyncError:
-                raise
-            except Exception as error:
-                check()
-                raise WeightSyncError(f"weight sync: broadcast of {name!r} in {what} to {self.urls} failed: "
-                                      f"{error}", bucket=index) from error  # fmt: skip
-        num_bytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        return InflightBucket(index=index, what=what, futures=futures, release=lambda: None, num_bytes=num_bytes,
-                              prepare_s=time.perf_counter() - started)  # fmt: skip
+            self._broadcast(payload, f"{name!r} in {what}", index, check)
+        return self._inflight_bucket(index, what, futures, bucket, started)
 
     def _finish_transport(self, version: str) -> dict[str, dict]:
         self.call_all("update_weights_from_distributed", names=[], dtypes=[], shapes=[],

@@ -1,6 +1,6 @@
 """The engine's GPU path on a real GPU: CUDA-graph decode equals eager decode bit for bit, fp32 greedy tokens
 equal transformers', bf16 logprobs stay close to transformers', the compiled Triton decode kernel and
-sampler match their torch references, and memory release / resume recaptures the graphs.
+sampler match their torch references, and memory release / resume keeps the addresses and the graphs.
 
     .venv/bin/pytest tests/gpu/test_engine_gpu.py      # skipped without CUDA
 """
@@ -100,12 +100,43 @@ def test_seeded_sampling_is_batch_independent_on_gpu(ckpt):
     assert batched == alone
 
 
-def test_release_and_resume_recapture_graphs(ckpt):
-    engine = make_engine(ckpt)
+def test_release_and_resume_keep_addresses_and_graphs(ckpt):
+    # Weights and KV cache live in StableBuffers: a release unmaps their memory (the driver's free memory
+    # grows by at least their size), a resume maps new memory at the same addresses, so the captured graphs
+    # are replayed as they are (same graph objects) and the outputs are unchanged (weights restored from
+    # the pinned host copy, the default).
+    engine = make_engine(ckpt, num_kv_blocks=4096)
+    assert engine.keeps_addresses
+    graphs = dict(engine.runner._graphs)
+    addresses = [p.data_ptr() for p in engine.model.parameters()] + [engine.kv_cache.k[0].data_ptr()]
+    before = engine.generate(PROMPTS[:2], params()[:1] * 2)
+    free_before = torch.cuda.mem_get_info()[0]
+    engine.release_memory_occupation()
+    freed = torch.cuda.mem_get_info()[0] - free_before
+    assert freed >= engine.kv_cache.nbytes + engine._weights_buffer.nbytes - (4 << 20)
+    engine.resume_memory_occupation()
+    assert [p.data_ptr() for p in engine.model.parameters()] + [engine.kv_cache.k[0].data_ptr()] == addresses
+    assert engine.generate(PROMPTS[:2], params()[:1] * 2) == before
+    assert engine.runner._graphs.keys() == graphs.keys()
+    assert all(engine.runner._graphs[size][0] is graphs[size][0] for size in graphs)
+
+
+def test_weights_released_without_backup_need_an_update(ckpt):
+    # weights_cpu_backup=False (colocated training): no host copy; the engine refuses requests until a
+    # weight update lands, and touching the released weights is refused instead of faulting the device.
+    from clawrl.engine.core.request import RequestError
+    from clawrl.models.loader import iter_safetensors
+
+    engine = make_engine(ckpt, weights_cpu_backup=False)
     before = engine.generate(PROMPTS[:2], params()[:1] * 2)
     engine.release_memory_occupation()
+    with pytest.raises(RuntimeError, match="weights are released"):
+        engine.update_weights_from_tensors(iter_safetensors(str(ckpt)))
     engine.resume_memory_occupation()
-    assert engine.generate(PROMPTS[:2], params()[:1] * 2) == before
+    with pytest.raises(RequestError, match="no weight update has landed"):
+        engine.generate(PROMPTS[:2], params()[:1] * 2)
+    engine.update_weights_from_tensors(iter_safetensors(str(ckpt)), weight_version="2")
+    assert engine.generate(PROMPTS[:2], params()[:1] * 2) == [dict(r, weight_version="2") for r in before]
 
 
 def test_triton_kernels_match_references_on_gpu():

@@ -27,7 +27,8 @@ def policy(tmp_path_factory):
 
 @pytest.fixture
 def actor(policy):
-    actor = TrainActor(make_job(policy, train=dict(lr=1e-3)), device="cuda")
+    # FSDP2 (its fp32 sharded parameters are asserted below); the fast path: test_trainer_single_rank_gpu.py
+    actor = TrainActor(make_job(policy, train=dict(lr=1e-3, fast_single_rank=False)), device="cuda")
     actor.init(total_optimizer_steps=10)
     yield actor
     actor.shutdown()

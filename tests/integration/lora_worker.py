@@ -58,7 +58,9 @@ def main() -> None:
     base = dict(iter_safetensors(a.model))
     frozen = [(n, p) for n, p in actor.model.named_parameters() if ".lora_" not in n]
     # A list, not a generator inside all(): every rank must join every gather, whatever the result.
-    equal = [torch.equal(p.detach().full_tensor(), base[n]) for n, p in frozen]
+    # (one rank trains without FSDP2: plain tensors there)
+    full = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for _, p in frozen]
+    equal = [torch.equal(t, base[n]) for t, (n, _) in zip(full, frozen, strict=True)]
     base_unchanged = all(equal)
     if a.rank == 0:
         out = {

@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from clawrl.engine.config import EngineConfig
 from clawrl.engine.core.engine import Engine
-from clawrl.engine.core.request import IncrementalDetokenizer, SamplingParams
+from clawrl.engine.core.request import SamplingParams
+from clawrl.engine.core.sequence import IncrementalDetokenizer
 from clawrl.models.loader import iter_safetensors
 from clawrl.models.tiny import build_tiny_model
 

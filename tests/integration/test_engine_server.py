@@ -254,6 +254,15 @@ def test_bad_requests_get_400_naming_the_field_and_serving_continues(client, oai
         ({"input_ids": [1] * 5000}, "prompt has 5000 tokens; the model's context is 2048"),
         ({"input_ids": [[1, 2], [3, 99999]]}, "input_ids[1][1] = 99999 is outside the vocabulary (size 2048)"),
         ({"text": "x", "sampling_params": {"max_new_token": 3}}, "sampling_params.max_new_token is not a known field"),
+        # a batch's list of sampling params (one per prompt)
+        ({"input_ids": [[1], [2]], "sampling_params": [{}, {"temperature": "hot"}]},
+         "sampling_params[1].temperature must be a number, got 'hot'"),
+        ({"input_ids": [[1], [2]], "sampling_params": [{}, {"max_new_tokens": -2}]},
+         "sampling_params[1].max_new_tokens must be >= 0, got -2"),
+        ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params has 1 entries for a batch of 2 prompts"),
+        ({"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {}]},
+         "sampling_params[].n must be the same for every prompt, got [2, 1]"),
+        ({"input_ids": [1], "sampling_params": [{}]}, "sampling_params may be a list only for a batch of prompts"),
     ]  # fmt: skip
     for body, message in cases:
         with pytest.raises(EngineClientError) as info:

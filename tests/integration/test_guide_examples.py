@@ -21,8 +21,8 @@ from loop_assets import build_loop_assets
 
 from clawrl.cli.main import build_parser
 from clawrl.config import job_from_namespace, validate
+from clawrl.config.loop_rules import check_loop_flags
 from clawrl.config.resources import resolve_resource_defaults
-from clawrl.config.validate import check_loop_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide.md"

@@ -22,7 +22,7 @@ from clawrl.data.train_batch import TrainBatch
 from clawrl.models.tiny import build_tiny_model
 from clawrl.trainer.actor import TrainActor
 from clawrl.trainer.checkpoint import CheckpointError
-from clawrl.trainer.weights import iter_full_tensors
+from clawrl.trainer.weights import iter_full_tensors, local_tensor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
@@ -124,7 +124,7 @@ def test_checkpoint_round_trip_and_offload(model_dir, tmp_path):
         critic_bytes = sum(p.numel() * 4 for p in actor.critic.model.parameters())
         assert (
             moved > critic_bytes
-            and actor.critic.model.value_head.weight.to_local().untyped_storage().nbytes() == 0
+            and local_tensor(actor.critic.model.value_head.weight).untyped_storage().nbytes() == 0
         )
         actor.onload()
         assert all(torch.equal(saved_values[i], v) for i, v in _values(actor, _batch(2)).items())

@@ -71,11 +71,13 @@ def test_readme_train_example_runs_as_written_on_cpu(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [row["step"] for row in rows if "rollout/raw_reward" in row]
     assert steps == list(range(num_rollout))
-    # start-up phases, each printed as it ends with its seconds, then the block saying where things are
-    phases = re.findall(r"^clawrl: (.*) \(\d+\.\d s\)$", result.stderr, flags=re.MULTILINE)
+    # start-up phases, each printed with its seconds and when it was ready (the trainer loads while the engines
+    # do), then the block saying where things are
+    phases = re.findall(r"^clawrl: (.*) \(\d+\.\d s, at \d+\.\d s\)$", result.stderr, flags=re.MULTILINE)
     assert phases == [
         "Ray ready",
         "1 engine(s) ready",
+        "rollout manager ready",
         "trainer ready: 1 rank(s), model and optimizer built",
         "weights synced to the engines",
     ], result.stderr[-4000:]

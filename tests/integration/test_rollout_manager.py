@@ -56,6 +56,13 @@ async def rm_label_yes(args, sample, **kwargs):
     return 1.0 if sample.label == "yes" else 0.0
 
 
+async def generate_one_by_one(args, sample, sampling_params):
+    """The default generate function under another name: not batched per group (one request per sample)."""
+    from clawrl.rollout.generate import generate
+
+    return await generate(args, sample, sampling_params)
+
+
 def rollout_through_context(args, rollout_id, data_source, evaluation=False):
     """A synchronous --rollout-function-path that drives the default generate via rollout_context().run."""
     groups = data_source.get_samples(args.rollout_batch_size)
@@ -162,8 +169,9 @@ def test_rollout_batch_rewards_logprobs_weight_versions_and_metrics(model_dir, e
     assert [s.status for s in samples] == [
         Status.TRUNCATED if t else Status.COMPLETED for t in batch.truncated
     ]
-    # both engines served (least outstanding requests, ties round-robin): 4 requests each
-    assert [_generates(e) - b for e, b in zip(engines, before, strict=True)] == [4, 4]
+    # the default generate function sends each prompt group as one batch request; the two groups went one
+    # to each engine (least outstanding requests, ties round-robin)
+    assert [_generates(e) - b for e, b in zip(engines, before, strict=True)] == [1, 1]
 
     assert batch.raw_rewards == [0.0, 1.0, 2.0, 3.0] * 2
     # grpo by hand: group {0, 1, 2, 3}: mean 1.5, unbiased std sqrt(5/3) = 1.2909944; (r - 1.5) / (std + 1e-6)
@@ -183,6 +191,33 @@ def test_rollout_batch_rewards_logprobs_weight_versions_and_metrics(model_dir, e
     expected_tps = sum(lengths) / metrics["perf/rollout_time"] / 2
     assert metrics["perf/tokens_per_gpu_per_sec"] == pytest.approx(expected_tps)
     assert not any(key.startswith(("rollout/zero_std", "rollout/dynamic_filter")) for key in metrics)
+    # the engines' step counters (/get_server_info): each engine ran at least a prefill and 7 decode steps
+    # for its group (responses of up to 8 tokens), all inside the rollout
+    assert metrics["perf/engine_steps"] >= max(lengths) and 0 < metrics["perf/engine_busy_ratio"] < 1
+    assert metrics["perf/engine_busy_time"] == pytest.approx(
+        metrics["perf/engine_busy_ratio"] * metrics["perf/rollout_time"], rel=1e-9
+    )
+
+
+def test_group_batch_request_gives_each_sample_its_own_request_tokens(model_dir, engines, prompt_file):
+    # One batch request per group, one sampling_params entry (seed) per sample: the same tokens, log-probs
+    # and statuses as one request per sample, for a quarter of the requests.
+    data = prompt_file("train", _prompts(["a"] * 4))
+    runs = {}
+    for name, generate_path in (("batched", None), ("one_by_one", f"{HERE}.generate_one_by_one")):
+        job = _job(model_dir, data, custom_rm_path=f"{HERE}.rm_index_mod4", rollout_max_response_len=12,
+                   rollout_temperature=1.0, custom_generate_function_path=generate_path)  # fmt: skip
+        before = sum(_generates(e) for e in engines)
+        with _manager(job, engines) as manager:
+            batch, _ = manager.generate(0)
+        runs[name] = (batch, sum(_generates(e) for e in engines) - before)
+    (batched, batched_requests), (single, single_requests) = runs["batched"], runs["one_by_one"]
+    assert (batched_requests, single_requests) == (2, 8)
+    assert batched.tokens == single.tokens
+    assert len({tuple(t) for t in batched.tokens}) == 8  # the seeds differ per sample
+    assert batched.truncated == single.truncated
+    for got, want in zip(batched.rollout_log_probs, single.rollout_log_probs, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,31 @@ def test_offload_onload_keeps_the_state_and_the_training(policy, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(actor), state, strict=True))
 
 
+def test_offload_keeping_the_weights_for_the_sync_then_the_weights(policy):
+    # The colocated loop's two stages: after train(), all but the weights leave (the sync reads them on the
+    # device); after the sync, the weights. The weights' storages stay untouched by the first stage, the
+    # buckets read them without a copy back, and onload restores every bit.
+    job = make_job(policy, train=dict(lr=1e-3))
+    with running_actor(job) as actor:
+        actor.train(make_batch(0))
+        weights, state = full_weights(actor), _optimizer_state(actor)
+        param_ptrs = [local_tensor(p).data_ptr() for p in actor.master.parameters()]
+        state_bytes = sum(v.numel() * v.element_size() for v in state)
+        assert actor.offload(keep_weights=True) >= state_bytes
+        assert actor.is_offloaded and not actor._host["params"].is_offloaded
+        assert all(local_tensor(p).untyped_storage().nbytes() > 0 for p in actor.master.parameters())
+        assert [local_tensor(p).data_ptr() for p in actor.master.parameters()] == param_ptrs
+        buckets = [pair for bucket in actor.weight_buckets() for pair in bucket]
+        assert all(torch.equal(t, weights[n]) for n, t in buckets) and len(buckets) == len(weights)
+        assert not actor._host["params"].is_offloaded  # reading them moved nothing
+        weight_bytes = sum(local_tensor(p).untyped_storage().nbytes() for p in actor.master.parameters())
+        assert actor.offload() >= weight_bytes  # the second stage: the weights only
+        assert set(_storage_bytes(actor)) == {0} and actor.offload() == 0
+        actor.onload()
+        assert all(torch.equal(w, weights[n]) for n, w in full_weights(actor).items())
+        assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(actor), state, strict=True))
+
+
 def test_activation_checkpointing_is_bitwise_neutral(policy):
     batch = make_batch(4)
     results = []

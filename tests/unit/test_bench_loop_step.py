@@ -5,23 +5,14 @@ bench/ is not a package, so the script is loaded from its file. Nothing is timed
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "loop_step.py"
+from bench_scripts import load_bench, unload_bench
 
 
 @pytest.fixture(scope="module")
 def loop_step():
-    spec = importlib.util.spec_from_file_location("loop_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["loop_step"] = module  # its dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("loop_step", None)
+    yield load_bench("loop_step")
+    unload_bench("loop_step")
 
 
 TRAIN_PARTS = {
@@ -36,13 +27,14 @@ TRAIN_PARTS = {
 ROWS = [
     # rollout 0: the warm-up, never counted (its 50 s train would move every median)
     {"step": 0, "time": 100.0, "perf/rollout_time": 20.0, "perf/train_time": 50.0, "perf/rollout_ramp_time": 9.0},
-    # step = 110 - 100 = 10; train other = 3 - 2.5 = 0.5; step other = 10 - (4 + 3 + 0.25 + 0.3) = 2.45
+    # step = 110 - 100 = 10; train other = 3 - 2.5 = 0.5; step other = 10 - (4 + 3 + 0.25 + 0.3 + 0.1) = 2.35
     {"step": 1, "time": 110.0, "perf/rollout_time": 4.0, "perf/train_time": 3.0, **TRAIN_PARTS,
      "perf/update_weights_time": 0.25, "perf/engine_resume_time": 0.3, "perf/rollout_ramp_time": 1.0,
-     "rollout/raw_reward": 0.5},
-    # step = 9; train other = 1.0; step other = 9 - (3 + 3.5 + 0.35 + 0.3) = 1.85
+     "perf/trainer_weights_offload_time": 0.1, "rollout/raw_reward": 0.5},
+    # step = 9; train other = 1.0; step other = 9 - (3 + 3.5 + 0.35 + 0.3 + 0.1) = 1.75
     {"step": 2, "time": 119.0, "perf/rollout_time": 3.0, "perf/train_time": 3.5, **TRAIN_PARTS,
-     "perf/update_weights_time": 0.35, "perf/engine_resume_time": 0.3, "perf/rollout_ramp_time": 0.6},
+     "perf/update_weights_time": 0.35, "perf/engine_resume_time": 0.3, "perf/rollout_ramp_time": 0.6,
+     "perf/trainer_weights_offload_time": 0.1},
     # the final eval row: no rollout, not a step
     {"step": 3, "time": 130.0, "perf/eval_time": 2.0, "eval/arith": 0.25},
 ]  # fmt: skip
@@ -63,7 +55,7 @@ def test_loop_phases_are_medians_over_the_rollouts_after_the_warm_up(loop_step):
     assert phases["perf/rollout_time"] == pytest.approx(3.5)
     assert phases["perf/rollout_ramp_time"] == pytest.approx(0.8)
     assert phases["train_other"] == pytest.approx(0.75)  # (0.5 + 1.0) / 2
-    assert phases["step_other"] == pytest.approx(2.15)  # (2.45 + 1.85) / 2
+    assert phases["step_other"] == pytest.approx(2.05)  # (2.35 + 1.75) / 2
     assert phases["perf/update_weights_time"] == pytest.approx(0.3)
     assert "perf/eval_time" not in phases  # only in the eval row, which is not a step
 

@@ -101,6 +101,18 @@ def test_disable_flags_store_false_into_slime_dests():
     assert job.algo.grpo_std_normalization is False
 
 
+def test_fast_single_rank_is_unset_by_default_and_switches_both_ways():
+    from clawrl.trainer.single_rank import use_single_rank
+
+    assert parse().train.fast_single_rank is None
+    assert parse("--no-fast-single-rank").train.fast_single_rank is False
+    assert parse("--fast-single-rank").train.fast_single_rank is True
+    # unset: on exactly at one rank; --no-fast-single-rank forces FSDP2 there
+    assert use_single_rank(None, 1) and not use_single_rank(None, 2) and not use_single_rank(False, 1)
+    with pytest.raises(ValueError, match="--fast-single-rank needs a trainer of one rank, this one has 4"):
+        use_single_rank(True, 4)
+
+
 # ---- single-field checks (__post_init__) ----------------------------------------------------------------
 
 

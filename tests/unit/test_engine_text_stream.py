@@ -3,7 +3,7 @@ never half-sent, incomplete UTF-8 characters are held back."""
 
 import pytest
 
-from clawrl.engine.core.request import IncrementalDetokenizer
+from clawrl.engine.core.sequence import IncrementalDetokenizer
 from clawrl.models.tiny import build_tiny_tokenizer
 
 

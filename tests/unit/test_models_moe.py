@@ -4,7 +4,8 @@ Each config is built with transformers' config class, every parameter randomised
 `save_pretrained` (per-expert names on disk) and loaded natively. The reference is transformers' forward on
 right-padded sequences with an attention mask; the native model runs the same sequences packed flat.
 The configs cover what changes the layer layout: `mlp_only_layers` (a dense layer between MoE layers),
-`decoder_sparse_step` 2, top-k renormalised or not, and Qwen2-MoE's sigmoid-gated shared expert.
+`decoder_sparse_step` 2, top-k renormalised or not, and Qwen2-MoE's sigmoid-gated shared expert. The
+transformers side (random model, padded batch, packed logits) is transformers_reference.py beside this file.
 
 Run: .venv/bin/pytest tests/unit/test_models_moe.py -x -q
 """
@@ -17,6 +18,15 @@ import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers_reference import (
+    LENGTHS,
+    checkpoint_fixture,
+    hf_packed_logits,
+    native_logits,
+    packed_batch,
+    padded,
+    random_hf_model,
+)
 
 from clawrl.models.attention import VarlenAttention
 from clawrl.models.config import ModelArgs, load_model_args
@@ -32,85 +42,37 @@ from clawrl.models.moe import (
 )
 from clawrl.models.tiny import build_tiny_model
 
-LENGTHS = [5, 17, 1, 40, 9]
-ATTN = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+TINY_MOE = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
+    num_experts=5, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+"""What the configs share unless they change it."""
+
+
+def moe_config(config_cls, **changes):
+    """A transformers MoE config: TINY_MOE with `changes` applied."""
+    return config_cls(**{**TINY_MOE, **changes})
+
+
 CONFIGS = {
-    "qwen3_moe-dense-middle-layer-normtopk": lambda: Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=3,
-        intermediate_size=128,
-        head_dim=16,
-        moe_intermediate_size=32,
-        num_experts=6,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],
+    "qwen3_moe-dense-middle-layer-normtopk": lambda: moe_config(
+        Qwen3MoeConfig, num_hidden_layers=3, head_dim=16, num_experts=6, norm_topk_prob=True, mlp_only_layers=[1],
         tie_word_embeddings=True,
-        **ATTN,
-    ),  # fmt: skip
-    "qwen3_moe-sparse-step-2-top3-untied": lambda: Qwen3MoeConfig(
-        vocab_size=384,
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=96,
-        head_dim=32,
-        moe_intermediate_size=24,
-        num_experts=5,
-        num_experts_per_tok=3,
-        norm_topk_prob=False,
-        decoder_sparse_step=2,
-        attention_bias=True,
-        **ATTN,
-    ),  # fmt: skip
-    "qwen2_moe-shared-expert": lambda: Qwen2MoeConfig(
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_experts=5,
-        num_experts_per_tok=2,
-        **ATTN,
-    ),  # fmt: skip
-}
+    ),
+    "qwen3_moe-sparse-step-2-top3-untied": lambda: moe_config(
+        Qwen3MoeConfig, vocab_size=384, intermediate_size=96, head_dim=32, moe_intermediate_size=24,
+        num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2, attention_bias=True,
+    ),
+    "qwen2_moe-shared-expert": lambda: moe_config(Qwen2MoeConfig, shared_expert_intermediate_size=48),
+}  # fmt: skip
 
 
-def random_hf_model(config, seed: int = 0):
-    """transformers model with every parameter random: N(0, 0.1), norm weights 1 + N(0, 0.2)."""
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    return model
-
-
-def packed_batch(vocab_size: int, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, vocab_size, (n,), generator=gen) for n in LENGTHS]
-    return seqs, torch.cat(seqs), torch.cat([torch.arange(n) for n in LENGTHS])
-
-
-def padded(seqs):
-    ids = torch.zeros(len(seqs), max(LENGTHS), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, seq in enumerate(seqs):
-        ids[i, : len(seq)], mask[i, : len(seq)] = seq, 1
-    return ids, mask
-
-
-def unpad(logits_BLV, seqs):
-    return torch.cat([logits_BLV[i, : len(seq)] for i, seq in enumerate(seqs)])
-
-
-def native_logits(model, ids, positions):
-    return model.compute_logits(model(ids, positions, VarlenAttention.from_lengths(LENGTHS)))
+def tiny_args(arch: str, **fields) -> ModelArgs:
+    """ModelArgs of a one-layer 16-wide model (2 query heads, 1 KV head) of `arch`; `fields` add the rest."""
+    return ModelArgs(
+        arch=arch, vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+        intermediate_size=32, **fields,
+    )  # fmt: skip
 
 
 def disk_tensors(path) -> dict[str, torch.Tensor]:
@@ -118,20 +80,15 @@ def disk_tensors(path) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def checkpoint(request, tmp_path_factory):
-    """(name, checkpoint dir, transformers model) per config."""
-    hf_model = random_hf_model(CONFIGS[request.param]())
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(path)
-    return request.param, path, hf_model
+checkpoint = checkpoint_fixture(CONFIGS)
+"""(name, checkpoint dir, transformers model) per config."""
 
 
 def test_logits_match_transformers_fused_and_unfused(checkpoint):
     name, path, hf_model = checkpoint
     seqs, ids, positions = packed_batch(hf_model.config.vocab_size)
     with torch.no_grad():
-        expected = unpad(hf_model(*padded(seqs)).logits, seqs)
+        expected = hf_packed_logits(hf_model, seqs)
         unfused = native_logits(load_model(path), ids, positions)
         fused = native_logits(load_model(path, fused=True), ids, positions)
     assert unfused.shape == (sum(LENGTHS), hf_model.config.vocab_size)
@@ -192,7 +149,7 @@ def test_gradients_match_transformers(tmp_path):
     seqs, ids, positions = packed_batch(hf_model.config.vocab_size)
     targets = torch.cat([torch.roll(seq, -1) for seq in seqs])
     torch.nn.functional.cross_entropy(native_logits(native, ids, positions), targets).backward()
-    torch.nn.functional.cross_entropy(unpad(hf_model(*padded(seqs)).logits, seqs), targets).backward()
+    torch.nn.functional.cross_entropy(hf_packed_logits(hf_model, seqs), targets).backward()
     hf_grads = {name: p.grad for name, p in hf_model.named_parameters()}
     inter = hf_model.config.moe_intermediate_size
     checked = 0
@@ -213,11 +170,13 @@ def test_gradients_match_transformers(tmp_path):
 
 def test_dense_expert_path_equals_sparse_path():
     """The CUDA-graph path (every expert on every row) gives the sparse loop's values."""
-    args = ModelArgs(
-        arch="qwen2_moe", vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-        head_dim=8, intermediate_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+    args = tiny_args(
+        "qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
         shared_expert_intermediate_size=12,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     block = SparseMoeBlock(args, fused=False)
     x = torch.randn(11, 16)
@@ -248,18 +207,7 @@ def test_load_balancing_loss_by_hand():
     assert load_balancing_loss([torch.cat([a, a])], top_k=1).item() == pytest.approx(1.5)
     # The trainer's metric: a micro-batch's share of the step mean; None for a dense model.
     with torch.device("meta"):
-        dense = CausalLM(
-            ModelArgs(
-                arch="qwen3",
-                vocab_size=64,
-                hidden_size=16,
-                num_layers=1,
-                num_heads=2,
-                num_kv_heads=1,
-                head_dim=8,
-                intermediate_size=32,
-            )  # fmt: skip
-        )
+        dense = CausalLM(tiny_args("qwen3"))
     assert moe_aux_loss_metric(dense, [], 0.5) is None
 
 
@@ -272,8 +220,8 @@ def test_save_hf_round_trips_through_transformers(checkpoint, tmp_path):
     reloaded.config._attn_implementation = "eager"
     seqs, _, _ = packed_batch(hf_model.config.vocab_size)
     with torch.no_grad():
-        got = unpad(reloaded(*padded(seqs)).logits, seqs)
-        want = unpad(hf_model(*padded(seqs)).logits, seqs)
+        got = hf_packed_logits(reloaded, seqs)
+        want = hf_packed_logits(hf_model, seqs)
     assert torch.equal(got, want), name
     assert load_model_args(tmp_path / "out") == load_model_args(path)
 
@@ -307,7 +255,7 @@ def test_tiny_moe_checkpoint_matches_transformers(tmp_path, arch):
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     seqs, ids, positions = packed_batch(512)
     with torch.no_grad():
-        expected = unpad(hf_model(*padded(seqs)).logits, seqs)
+        expected = hf_packed_logits(hf_model, seqs)
         got = native_logits(load_model(path), ids, positions)
     assert (got - expected).abs().max() < 1e-5
 

@@ -5,20 +5,26 @@ no parameter is left at a value that would hide a loading bug), saved with `save
 natively, and run on sequences of different lengths packed flat. The reference is transformers' forward on
 the same sequences as a right-padded batch with an attention mask ("eager" attention: plain math).
 
-Error metric: max |native - reference| / max |reference| over all valid tokens and vocab entries.
+Error metric: max |native - reference| / max |reference| over all valid tokens and vocab entries. The
+transformers side (random model, padded batch, packed logits) is transformers_reference.py beside this file.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers_reference import (
+    LENGTHS,
+    checkpoint_fixture,
+    hf_packed_logits,
+    native_logits,
+    packed_batch,
+    random_hf_model,
+)
 
-from clawrl.models.attention import VarlenAttention
 from clawrl.models.hf_io import load_model
 from clawrl.models.loader import INDEX_FILE
 
-LENGTHS = [5, 17, 1, 40, 9]
 TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, max_position_embeddings=256)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -62,53 +68,12 @@ CONFIGS = {
 }
 
 
-def random_hf_model(config, seed: int = 0):
-    """transformers model with every parameter random: N(0, 0.1), norm weights 1 + N(0, 0.2)."""
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    return model
-
-
-def packed_batch(vocab_size: int, seed: int = 1):
-    """(sequences, flat ids [N], flat positions [N]) for LENGTHS."""
-    gen = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, vocab_size, (n,), generator=gen) for n in LENGTHS]
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])
-    return seqs, torch.cat(seqs), positions
-
-
-def hf_packed_logits(hf_model, seqs) -> torch.Tensor:
-    """transformers' logits for `seqs` (right-padded batch + attention mask), valid tokens packed flat."""
-    ids = torch.zeros(len(seqs), max(LENGTHS), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, seq in enumerate(seqs):
-        ids[i, : len(seq)], mask[i, : len(seq)] = seq, 1
-    logits = hf_model(input_ids=ids, attention_mask=mask).logits
-    return torch.cat([logits[i, : len(seq)] for i, seq in enumerate(seqs)])
-
-
-def native_logits(model, ids, positions) -> torch.Tensor:
-    return model.compute_logits(model(ids, positions, VarlenAttention.from_lengths(LENGTHS)))
-
-
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def checkpoint(request, tmp_path_factory):
-    """(name, checkpoint dir, transformers model) per config."""
-    hf_model = random_hf_model(CONFIGS[request.param]())
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(path)
-    return request.param, path, hf_model
+checkpoint = checkpoint_fixture(CONFIGS)
+"""(name, checkpoint dir, transformers model) per config."""
 
 
 def test_logits_match_transformers_fused_and_unfused(checkpoint):

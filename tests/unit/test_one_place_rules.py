@@ -19,7 +19,7 @@ from clawrl.config.engine import (
     SYNC_MEMORY_TAGS,
     engine_dtype,
 )
-from clawrl.config.validate import check_loop_flags
+from clawrl.config.loop_rules import check_loop_flags
 from clawrl.metrics.timer import Timers, timed
 
 # 2 prompts x 2 samples, one trainer process and one engine (no GPU).

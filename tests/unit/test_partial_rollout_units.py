@@ -14,7 +14,7 @@ import pytest
 
 from clawrl.cli.main import main
 from clawrl.config import ConfigError, build_job_parser, job_from_namespace, validate
-from clawrl.config.validate import check_loop_flags
+from clawrl.config.loop_rules import check_loop_flags
 from clawrl.data.sample import Sample, Status
 from clawrl.loops.async_ import sync_due
 from clawrl.rollout.data_source import RolloutDataSource

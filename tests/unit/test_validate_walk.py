@@ -1,6 +1,6 @@
 """Every flag combination the trainer, the algorithms or the rollout manager would refuse inside a Ray actor is
 refused first, while the flags are parsed (validate() or a component's own field checks), by
-check_loop_flags (the rules of a job a loop runs, also in clawrl/config/validate.py) or by the input
+check_loop_flags (the rules of a job a loop runs, clawrl/config/loop_rules.py) or by the input
 checks of `clawrl train`'s preflight (before Ray starts), with one ConfigError naming the flags.
 
 The table below maps each `raise` in clawrl/trainer, clawrl/algo, clawrl/data/train_batch.py and
@@ -23,7 +23,7 @@ import pytest
 
 from clawrl.cli.preflight import preflight
 from clawrl.config import ConfigError, build_job_parser, job_from_namespace, validate
-from clawrl.config.validate import check_loop_flags
+from clawrl.config.loop_rules import check_loop_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = [
@@ -147,6 +147,9 @@ RULES = [
           ["--over-sampling-batch-size", "3"], ["--over-sampling-batch-size 3", "--rollout-batch-size 4"]),
     _rule(MANAGER, "RolloutManager._train_source", "--prompt-data is required", ["--rm-type", "math"],
           ["--prompt-data is required"], stage="loop"),
+    _rule("clawrl/trainer/single_rank.py", "use_single_rank", "needs a trainer of one rank",
+          [*ROLLOUT_INPUTS, "--fast-single-rank", "--actor-num-gpus-per-node", "2"],
+          ["--fast-single-rank", "this job has 2", "--actor-num-gpus-per-node 2"], stage="loop"),
 ]  # fmt: skip
 
 # Raises no flag combination reaches once the flags passed validate() and preflight, with why.

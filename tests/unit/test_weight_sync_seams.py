@@ -88,8 +88,10 @@ def test_a_rank_without_transport_gathers_every_bucket_and_joins_the_checksum_co
     assert sorted(metrics) == [
         "perf/check_weight_update_time",
         "perf/update_weights_bytes",
+        "perf/update_weights_gather_time",
         "perf/update_weights_time",
     ]
+    assert 0 <= metrics["perf/update_weights_gather_time"] <= metrics["perf/update_weights_time"]
     assert "perf/check_weight_update_time" not in push_weights(None, iter(buckets), "5")
 
 

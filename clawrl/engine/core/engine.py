@@ -28,16 +28,22 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from clawrl.config.engine import CORE_MEMORY_TAGS
+from clawrl.cuda_memory import StableBuffer, move_parameters_into, stable_memory_available
 from clawrl.engine.config import EngineConfig
 from clawrl.engine.core.request import (
-    IncrementalDetokenizer,
     RequestError,
     SamplingParams,
     StepLogprobs,
     check_prompt,
 )
 from clawrl.engine.core.scheduler import BlockManager, Scheduler
-from clawrl.engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus, stop_reason
+from clawrl.engine.core.sequence import (
+    PENDING_TOKEN,
+    IncrementalDetokenizer,
+    Sequence,
+    SequenceStatus,
+    stop_reason,
+)
 from clawrl.engine.runner.base import ModelRunner
 from clawrl.engine.runner.cpu_runner import CpuModelRunner, TensorParallelLeader
 from clawrl.engine.runner.hf_runner import (
@@ -98,6 +104,11 @@ class Engine:
         # An architecture only transformers implements, or model_impl "hf": runner/hf_runner.py.
         self.uses_hf = uses_hf_runner(config)
         self.tp: TensorParallelLeader | None = None  # tp_size > 1: the other ranks (runner/cpu_runner.py)
+        # CUDA, native model: weights and KV cache in StableBuffers (clawrl/cuda_memory.py), so a memory release
+        # keeps their addresses and the captured CUDA graphs stay valid.
+        self._weights_buffer: StableBuffer | None = None
+        self._weights_backup: torch.Tensor | None = None  # pinned host copy (config.weights_cpu_backup)
+        self._weights_stale = False  # released without a backup; no weight update has landed since
         if self.uses_hf and config.tp_size > 1:
             raise ValueError(f"EngineConfig.tp_size={config.tp_size}: tensor parallelism needs the native "
                              f"model code, but {config.model_path} is served by transformers (model_impl hf)")  # fmt: skip
@@ -115,7 +126,12 @@ class Engine:
         else:
             self.model_args = load_model_args(config.model_path)
             self.model = load_model(config.model_path, fused=True, device=self.device, dtype=dtype)
-            self.kv_cache = build_kv_cache(config, self.model_args, dtype=dtype, device=self.device)
+            stable = self.device.type == "cuda" and stable_memory_available()
+            if stable:
+                self._weights_buffer = move_parameters_into(self.model, self.device)
+            self.kv_cache = build_kv_cache(
+                config, self.model_args, dtype=dtype, device=self.device, stable=stable
+            )
         self.context_length = context_length_of(config, self.model_args.max_position_embeddings)
         num_blocks = self.kv_cache.num_blocks
         self.scheduler = Scheduler(
@@ -155,6 +171,11 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         self._check_request(prompt_token_ids, params)
+        if self._weights_stale:
+            raise RequestError(
+                "the engine's weights were released without a CPU backup (EngineConfig.weights_cpu_backup=False) "
+                "and no weight update has landed since: update the weights before generating"
+            )
         params = dataclasses.replace(params)  # a private copy: the caller may reuse or mutate theirs
         score_only = params.max_new_tokens == 0 and params.logprob_start_len >= 0
         if score_only:  # the prompt runs for its logprobs; its one sampled token is dropped (_score_output)
@@ -381,22 +402,34 @@ class Engine:
         self.scheduler.block_manager.flush()
         return True
 
+    @property
+    def keeps_addresses(self) -> bool:
+        """Whether a memory release keeps the weights' and KV cache's addresses (and so the CUDA graphs)."""
+        return self._weights_buffer is not None
+
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Free the KV cache and/or move the weights off the accelerator (tags: "kv_cache", "weights")."""
+        """Free the KV cache and/or the weights' device memory (tags: "kv_cache", "weights").
+
+        CUDA with stable memory: the physical memory is unmapped (~ms), the CUDA graphs are kept; released
+        weights are copied to pinned host memory first only with EngineConfig.weights_cpu_backup. Otherwise
+        the KV cache is freed, the weights move to the host and the graphs are recaptured after resume."""
         tags = self._check_tags(tags)
         self._drain()
         if self.scheduler.has_unfinished():
             raise RuntimeError(
                 "release_memory_occupation: requests are unfinished; abort or finish them first"
             )
-        self.runner.invalidate_cuda_graphs()  # frees their memory pool; recaptured after resume
+        if not self.keeps_addresses:
+            self.runner.invalidate_cuda_graphs()  # frees their memory pool; recaptured after resume
         if "kv_cache" in tags:
             self.kv_cache.release()
             self.scheduler.block_manager.flush()  # the cached K/V are gone
-        if "weights" in tags and self.device.type != "cpu":
-            self.model.to("cpu")  # CPU engine: nothing to give back
+        if "weights" in tags and self.device.type != "cpu" and "weights" not in self._released:
+            self._release_weights()  # CPU engine: nothing to give back
         if self.tp is not None:
             self.tp.memory("release", tags)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the step's cached activation blocks go back to the device too
         self._released |= set(tags)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
@@ -404,12 +437,42 @@ class Engine:
         tags = self._check_tags(tags)
         if "kv_cache" in tags:
             self.kv_cache.resume()
-        if "weights" in tags and self.device.type != "cpu":
-            self.model.to(self.device)
+        if "weights" in tags and self.device.type != "cpu" and "weights" in self._released:
+            self._resume_weights()
         if self.tp is not None:
             self.tp.memory("resume", tags)
-        self.runner.invalidate_cuda_graphs()  # they point at the old KV-cache / weight memory
+        if not self.keeps_addresses:
+            self.runner.invalidate_cuda_graphs()  # they point at the old KV-cache / weight memory
         self._released -= set(tags)
+
+    def check_weights_resident(self, what: str) -> None:
+        """Raise naming `what` when the weights' memory is unmapped (reading it would fault the device)."""
+        if self.keeps_addresses and "weights" in self._released:
+            raise RuntimeError(
+                f"{what}: the engine's weights are released; resume_memory_occupation(['weights']) first"
+            )
+
+    def _release_weights(self) -> None:
+        buffer = self._weights_buffer
+        if buffer is None:
+            self.model.to("cpu")
+            return
+        if self.config.weights_cpu_backup:
+            if self._weights_backup is None:  # pinned once, reused by every later release
+                self._weights_backup = torch.empty(buffer.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._weights_backup.copy_(buffer.tensor)
+        else:
+            self._weights_stale = True
+        buffer.release()
+
+    def _resume_weights(self) -> None:
+        buffer = self._weights_buffer
+        if buffer is None:
+            self.model.to(self.device)
+            return
+        buffer.resume()
+        if self.config.weights_cpu_backup and self._weights_backup is not None:
+            buffer.tensor.copy_(self._weights_backup)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (they also exit when this process does)."""
@@ -487,6 +550,7 @@ class Engine:
         )  # fmt: skip
 
     def _before_weight_update(self) -> None:
+        self.check_weights_resident("weight update")
         # The launched step (overlap schedule) reads the weights being replaced: let it finish first.
         self._drain()
         # Running sequences hold K/V of the old weights: retract them (recomputed later with the new ones).
@@ -495,6 +559,7 @@ class Engine:
         self.scheduler.block_manager.flush()
 
     def _bump_version(self, weight_version: str | None) -> str:
+        self._weights_stale = False  # a sync loads every weight before it sets the version
         if weight_version is not None:
             self.weight_version = str(weight_version)
         elif self.weight_version.isdigit():
@@ -545,6 +610,16 @@ def _make_model_runner(
 ) -> ModelRunner:
     """The GPU runner on CUDA; the reference runner elsewhere or with attention_backend "torch" (the
     plain-torch path, for debugging crashes in the kernels), and for tensor parallelism (any device)."""
+    if config.true_on_policy_mode:  # batch-invariant kernels, on CUDA or under the Triton interpreter
+        if tp is not None or uses_hf_runner(config):
+            raise ValueError(f"EngineConfig.true_on_policy_mode needs a native dense model at tp_size 1: "
+                             f"{config.model_path} is served by transformers or tensor-parallel")  # fmt: skip
+        from clawrl.engine.runner.gpu_runner import GpuModelRunner
+
+        return GpuModelRunner(
+            model, kv_cache, max_running_requests=config.max_running_requests, context_length=context_length,
+            enable_cuda_graph=config.enable_cuda_graph, batch_invariant=True,
+        )  # fmt: skip
     if tp is not None:
         return CpuModelRunner(model, kv_cache, tp=tp)
     if uses_hf_runner(config):

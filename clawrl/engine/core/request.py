@@ -6,14 +6,12 @@
   `max_tokens`) and its prompt against the model's vocabulary and context (`check_prompt`). A failure is
   one `RequestError` (a ValueError) whose message names the field and the bad value; the HTTP layer
   answers it with status 400.
-- `IncrementalDetokenizer`: the output text of one sample, grown as tokens arrive. The engine core uses it
-  to find stop strings (sequence.py's stop rules); the request layer below, to stream text deltas. One
-  decoder for both, so both see the same text.
 - What a request produces: per-step deltas, per-sample results, and the state that makes them.
 
 Streaming requests: the engine thread hands the request's coroutine core `StepOutput`s (engine.py) or
-`Aborted` events; `RequestStream` turns them into `GenerationDelta`s (token ids, logprobs, text, weight
-version) and `GenerationResult.add` accumulates deltas into a sample's result.
+`Aborted` events; `RequestStream` turns them into `GenerationDelta`s (token ids, logprobs, text decoded by
+sequence.py's `IncrementalDetokenizer`, weight version) and `GenerationResult.add` accumulates deltas into
+a sample's result.
 
 Non-streaming requests: the engine thread keeps the request's StepOutputs and hands them over once, as a
 `Collected` event, when the last sample is done; `collect_results` builds the same GenerationResults that
@@ -26,6 +24,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from clawrl.engine.core.sequence import IncrementalDetokenizer
 
 
 class RequestError(ValueError):
@@ -231,149 +231,6 @@ def check_prompt(
             + (" (no room left for a new token)" if room == 0 else "")
         )
     return room if max_new_tokens < 0 else min(max_new_tokens, room)
-
-
-# ---------------------------------------------------------------------------------------------------
-# the text of a sample
-
-_REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens kept as left context of the first output token (a leading space decodes as in the full text).
-_PROMPT_CONTEXT_TOKENS = 5
-
-
-class IncrementalDetokenizer:
-    """The output text of one sequence, grown as tokens arrive.
-
-    Decoding token by token does not work for byte-level BPE (a character can span tokens, and a token's
-    leading space depends on what precedes it). So the text grows by decoding a short window: the text of
-    ids[prefix:] minus the text of ids[prefix:read] is what the newest tokens add, unless it ends in U+FFFD
-    (an incomplete UTF-8 character), in which case it waits for more tokens. The window restarts wherever
-    the text was complete, so each token costs O(window), not O(sequence).
-
-    Two users: the engine core calls `append` per token to find stop strings (stop_reason); the request
-    layer calls `push` to get text deltas that are safe to send, holding back a suffix that could start a
-    stop string (a matched stop string is trimmed unless no_stop_trim, and sent text cannot be taken back).
-    """
-
-    def __init__(
-        self, tokenizer: Any, prompt_token_ids: list[int] | None = None, *, skip_special_tokens: bool = True,
-        stop: list[str] | None = None, no_stop_trim: bool = False,
-    ) -> None:  # fmt: skip
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.stop = [s for s in (stop or []) if s]
-        self.no_stop_trim = no_stop_trim
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
-        # Window ids: prompt context, then output tokens.
-        self._ids: list[int] = list((prompt_token_ids or [])[-_PROMPT_CONTEXT_TOKENS:])
-        self.text = ""  # output text decoded so far (complete characters only, untrimmed)
-        self.num_sent_chars = 0
-        self.final_text: str | None = None
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-
-    # -- the core: stop strings ---------------------------------------------------------------------------
-
-    def append(self, token_id: int) -> str | None:
-        """Add one output token; returns the first stop string whose match ends in the text it added."""
-        self._ids.append(token_id)
-        num_added = self._decode(final=False)
-        return self._find_stop(num_added) if num_added else None
-
-    def _find_stop(self, num_added: int) -> str | None:
-        # Only matches that end inside the new text are new; earlier ones were checked before.
-        start = max(0, len(self.text) - num_added - self._max_stop_len + 1)
-        best: tuple[int, str] | None = None
-        for stop in self.stop:
-            at = self.text.find(stop, start)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
-        return None if best is None else best[1]
-
-    # -- the request layer: text deltas -------------------------------------------------------------------
-
-    def push(self, token_ids: list[int], finish_reason: dict | None = None) -> str:
-        """Add new tokens; with finish_reason (the sequence ended) flush everything and trim the stop."""
-        if self.final_text is not None:
-            return ""
-        if finish_reason is not None and self._drops_last_token(token_ids, finish_reason):
-            # A matched stop token is not part of the text (SGLang trims it unless no_stop_trim).
-            token_ids = token_ids[:-1]
-        self._ids.extend(token_ids)
-        if finish_reason is None:
-            self._decode(final=False)
-            return self._send_up_to(self._safe_end())
-        self._decode(final=True)
-        self.final_text = self.text[: self._trim_point(finish_reason)]
-        return self._send_up_to(len(self.final_text))
-
-    def _drops_last_token(self, token_ids: list[int], finish_reason: dict) -> bool:
-        matched = finish_reason.get("matched")
-        return (
-            not self.no_stop_trim
-            and finish_reason.get("type") == "stop"
-            and isinstance(matched, int)
-            and bool(token_ids)
-            and token_ids[-1] == matched
-        )
-
-    def _decode(self, *, final: bool) -> int:
-        """Decode the window's new tokens into `text`; returns how many characters were added."""
-        if self._read_offset == len(self._ids):
-            return 0
-        known = self._detok(self._ids[self._prefix_offset : self._read_offset])
-        window = self._detok(self._ids[self._prefix_offset :])
-        if len(window) > len(known) and (final or not window.endswith(_REPLACEMENT_CHAR)):
-            self.text += window[len(known) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            return len(window) - len(known)
-        if final:
-            self._read_offset = len(self._ids)
-        return 0
-
-    def _detok(self, token_ids: list[int]) -> str:
-        if not token_ids or self.tokenizer is None:  # a model directory without tokenizer: ids only
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _safe_end(self) -> int:
-        """End of the text that can be sent: before any complete stop string (the core finishes the
-        sequence on it, but that news may come with a later step) and before a possible partial one."""
-        end = len(self.text) - self._stop_prefix_len()
-        if not self.no_stop_trim:
-            for stop in self.stop:
-                found = self.text.find(stop, max(0, self.num_sent_chars - len(stop) + 1))
-                if found >= 0:
-                    end = min(end, found)
-        return end
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string."""
-        if self.no_stop_trim or not self.stop:
-            return 0
-        longest = 0
-        for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
-
-    def _trim_point(self, finish_reason: dict) -> int:
-        matched = finish_reason.get("matched")
-        if self.no_stop_trim or finish_reason.get("type") != "stop" or not isinstance(matched, str):
-            return len(self.text)
-        # The core stops at the first occurrence; text from the stop string on is dropped.
-        found = self.text.find(matched, 0)
-        return len(self.text) if found < 0 else found
-
-    def _send_up_to(self, end: int) -> str:
-        if end <= self.num_sent_chars:
-            return ""
-        delta = self.text[self.num_sent_chars : end]
-        self.num_sent_chars = end
-        return delta
 
 
 # ---------------------------------------------------------------------------------------------------

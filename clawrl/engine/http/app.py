@@ -185,6 +185,7 @@ async def get_server_info(request: Request):
         "weight_version": engine.weight_version,
         "version": _clawrl_version(),
         "engine": "clawrl",
+        "engine_stats": engine.stats.as_dict(),  # clawrl's: cumulative core steps, busy seconds, outputs
     }
 
 

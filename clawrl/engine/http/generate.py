@@ -1,6 +1,7 @@
 """SGLang's `POST /generate`: its request models, its handler, and what every route of the app shares.
 
-Request (`GenerateRequest`): one prompt (`text` or `input_ids`) or a batch, `sampling_params`, `stream`, ...
+Request (`GenerateRequest`): one prompt (`text` or `input_ids`) or a batch, `sampling_params` (for a batch also
+a list, one per prompt, as SGLang allows), `stream`, ...
 Response item (one per prompt and sample; a batch or n > 1 gives a list, prompt-major):
 
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort",
@@ -309,7 +310,8 @@ class GenerateRequest(RequestModel):
 
     text: Any = None
     input_ids: Any = None
-    sampling_params: GenerateSamplingParams = GenerateSamplingParams()
+    # A batch may give one sampling_params per prompt (SGLang's list form: per-sample seeds, for one).
+    sampling_params: Any = GenerateSamplingParams()
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     stream: bool = False
@@ -321,6 +323,16 @@ class GenerateRequest(RequestModel):
     return_routed_experts: bool = False
     image_data: Any = None
     lora_path: Any = None
+
+    @field_validator("sampling_params", mode="before")
+    @classmethod
+    def _sampling_params(cls, value: Any) -> GenerateSamplingParams | list[GenerateSamplingParams]:
+        # Validated by hand (not as a pydantic union) so an error names the one field path a caller wrote.
+        if isinstance(value, GenerateSamplingParams):
+            return value
+        if isinstance(value, list):
+            return [_sampling_entry(item, f"sampling_params[{i}]") for i, item in enumerate(value)]
+        return _sampling_entry(value, "sampling_params")
 
     @model_validator(mode="after")
     def _one_prompt_field(self) -> GenerateRequest:
@@ -345,11 +357,43 @@ class GenerateRequest(RequestModel):
             )
         self._check_unsupported()
         self._check_rid()
+        self._check_sampling_list()
         return self
+
+    def _check_sampling_list(self) -> None:
+        specs = self.sampling_params
+        if not isinstance(specs, list):
+            return
+        if not self.is_batch:
+            raise ValueError("sampling_params may be a list only for a batch of prompts")
+        if len(specs) != len(self.prompts):
+            raise ValueError(
+                f"sampling_params has {len(specs)} entries for a batch of {len(self.prompts)} prompts"
+            )
+        if len({spec.n for spec in specs}) > 1:
+            raise ValueError(
+                f"sampling_params[].n must be the same for every prompt, got {[s.n for s in specs]}"
+            )
+
+    def spec(self, position: int) -> GenerateSamplingParams:
+        """The sampling params of prompt `position` (the one dict, or its entry of the list)."""
+        specs = self.sampling_params
+        return specs[position] if isinstance(specs, list) else specs
+
+    @property
+    def n(self) -> int:
+        """Samples per prompt (the same for every prompt of a batch)."""
+        return self.spec(0).n
 
     def value_errors(self) -> list[str]:
         values = {"logprob_start_len": self.logprob_start_len, "top_logprobs_num": self.top_logprobs_num}
-        return self.sampling_params.value_errors() + sampling_value_errors(values)
+        specs = self.sampling_params
+        if isinstance(specs, list):
+            errors = [error.replace("sampling_params.", f"sampling_params[{i}].", 1)
+                      for i, spec in enumerate(specs) for error in spec.value_errors()]  # fmt: skip
+        else:
+            errors = specs.value_errors()
+        return errors + sampling_value_errors(values)
 
     def _check_unsupported(self) -> None:
         for name in ("return_hidden_states", "return_routed_experts"):
@@ -393,6 +437,17 @@ class GenerateRequest(RequestModel):
         if self.rid is None:
             return [None] * len(self.prompts)
         return list(self.rid) if self.is_batch else [self.rid]
+
+
+def _sampling_entry(value: Any, path: str) -> GenerateSamplingParams:
+    """One sampling_params object; a type error becomes one ValueError naming `path`.field."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must be an object, got {clip_repr(value)}")
+    try:
+        return GenerateSamplingParams.model_validate(value)
+    except ValidationError as error:
+        clauses = [describe_error({**e, "loc": (path, *e.get("loc", ()))}) for e in error.errors()]
+        raise ValueError("; ".join(clauses)) from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -472,9 +527,9 @@ async def generate_route(request: Request):
 def _prepare(engine: AsyncEngine, req: GenerateRequest) -> list[tuple[str, list[int], SamplingParams]]:
     """Tokenize, check every prompt against the model, resolve ids and max_new_tokens."""
     prompts: list[tuple[str, list[int], SamplingParams]] = []
-    spec = req.sampling_params
-    requested = -1 if spec.max_new_tokens is None else spec.max_new_tokens
     for position, (prompt, rid) in enumerate(zip(req.prompts, req.request_ids(), strict=True)):
+        spec = req.spec(position)
+        requested = -1 if spec.max_new_tokens is None else spec.max_new_tokens
         field = req.prompt_field + (f"[{position}]" if req.is_batch else "")
         ids = encode_text(engine, prompt, field) if isinstance(prompt, str) else list(prompt)
         max_new = check_prompt(ids, field=field, vocab_size=engine.vocab_size, context_len=engine.context_len,
@@ -519,11 +574,11 @@ def _logprob_meta(
     def tops(pairs: list | None) -> list | None:
         return None if pairs is None else [entry(logprob, token) for logprob, token in pairs]
 
-    meta: dict[str, Any] = {
-        "output_token_logprobs": [
-            entry(lp, t) for lp, t in zip(result.logprobs, result.output_ids, strict=True)
-        ]
-    }
+    if req.return_text_in_logprobs:
+        pairs = [entry(lp, t) for lp, t in zip(result.logprobs, result.output_ids, strict=True)]
+    else:  # the rollout's case, every token of every sample: no call per token
+        pairs = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids, strict=True)]
+    meta: dict[str, Any] = {"output_token_logprobs": pairs}
     if req.top_logprobs_num > 0:
         meta["output_top_logprobs"] = [tops(pairs) for pairs in result.top_logprobs]
     if req.logprob_start_len >= 0:
@@ -547,14 +602,14 @@ async def generate(engine: AsyncEngine, req: GenerateRequest) -> dict | list[dic
         for result in results:
             result.prompt_ids = ids
             items.append(generate_item(result, req, engine.tokenizer, started, results[0].prompt_logprobs))
-    single = not req.is_batch and req.sampling_params.n == 1
+    single = not req.is_batch and req.n == 1
     return items[0] if single else items
 
 
 async def _stream(
     engine: AsyncEngine, req: GenerateRequest, prompts: list, started: float
 ) -> AsyncIterator[str]:
-    n = req.sampling_params.n
+    n = req.n
     results: dict[int, GenerationResult] = {}
     scored: dict[int, list] = {}  # prompt position -> its sample 0's prompt logprobs
     streams = [engine.generate(ids, params, rid) for rid, ids, params in prompts]

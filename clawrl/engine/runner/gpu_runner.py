@@ -202,12 +202,20 @@ class GpuModelRunner:
         context_length: int,
         enable_cuda_graph: bool = True,
         fused_kernels: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.attention = TritonPagedAttention(kv_cache)
         self.fused_kernels = fused_kernels
+        self.batch_invariant = batch_invariant
+        if batch_invariant:  # --true-on-policy-mode: the trainer's kernels, the model's own forward
+            from clawrl.models.batch_invariant import PagedBatchInvariantAttention, enable_batch_invariant
+
+            enable_batch_invariant(model)
+            self.attention = PagedBatchInvariantAttention(kv_cache)
+            self.fused_kernels = False
         is_cuda = self.device.type == "cuda"
         self.enable_cuda_graph = enable_cuda_graph and is_cuda
         self.batch_sizes = decode_batch_sizes(max_running_requests)
@@ -267,6 +275,10 @@ class GpuModelRunner:
         num_rows = len(seqs)
         tokens_M, logprobs_M = self._last_tokens[:num_rows], self._logprobs[:num_rows]
         sample_planned(logits_MV, plan, keys_M, tokens_M=tokens_M, logprobs_M=logprobs_M)
+        if self.batch_invariant:  # the logprob by the op the trainer recomputes it with, bit for bit
+            from clawrl.models.batch_invariant import sampled_log_probs
+
+            sampled_log_probs(logits_MV, tokens_M, plan.temperatures_M, out=logprobs_M)
         self._last_seqs, self._last_rows = seqs, None  # rows by seq_id: built when a pending token needs them
         host_tokens = self._tokens_host[self._flip][:num_rows]
         host_logprobs = self._logprobs_host[self._flip][:num_rows]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,42 +36,18 @@ from clawrl.engine.core.scheduler import ScheduledBatch
 from clawrl.engine.core.sequence import PENDING_TOKEN, Sequence
 from clawrl.engine.runner.base import StepHandle, sample_step
 from clawrl.engine.runner.kv_cache import KVCache, bytes_per_block, plan_num_blocks
-from clawrl.models.config import SUPPORTED_ARCHS
+from clawrl.models.config import SUPPORTED_ARCHS, ModelArgs
 
 
-@dataclass(kw_only=True)
-class HFModelArgs:
-    """What the engine core reads of a model's architecture (the names of clawrl.models.config.ModelArgs),
-    for a checkpoint served through transformers."""
+class HFModelArgs(ModelArgs):
+    """ModelArgs of a checkpoint served through transformers: `arch` is any model_type transformers loads as
+    a causal LM. Only the fields the engine core reads are filled (sizes, positions, tied head, token ids);
+    the rest (RoPE, norms, biases, MoE) keep their defaults, which nothing on this path reads."""
 
-    arch: str
-    """HF model_type."""
-    vocab_size: int
-    """Rows of the embedding / LM head."""
-    hidden_size: int
-    """Width of the residual stream."""
-    num_layers: int
-    """Decoder layers."""
-    num_heads: int
-    """Query heads."""
-    num_kv_heads: int
-    """Key/value heads."""
-    head_dim: int
-    """Width of one attention head."""
-    intermediate_size: int = 0
-    """MLP width (0 when the config has none)."""
-    max_position_embeddings: int = 4096
-    """Longest position the model supports."""
-    tie_word_embeddings: bool = False
-    """LM head shares the embedding matrix."""
-    qkv_bias: bool = False
-    """Not read from transformers configs: kept for the engine's same-shape check."""
-    qk_norm: bool = False
-    """Not read from transformers configs: kept for the engine's same-shape check."""
-    bos_token_id: int | None = None
-    """Beginning-of-sequence token id, if any."""
-    eos_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end generation (config.json, then generation_config.json)."""
+    def __post_init__(self) -> None:
+        # ModelArgs' checks guard the native decoder (arch it implements, even head_dim for its RoPE, MoE
+        # sizes); transformers already validated this config and runs the model itself.
+        pass
 
 
 def uses_hf_runner(config: EngineConfig) -> bool:

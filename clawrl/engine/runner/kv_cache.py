@@ -4,9 +4,12 @@ KVCache: the paged K/V tensors, one pair per layer, each [num_blocks, block_size
 
 Sizing: an explicit `num_kv_blocks`, or on CUDA what `mem_fraction_static` of the device's total memory
 leaves after everything already in use (SGLang's meaning: weights + KV cache take that fraction; activations
-and CUDA graphs live in the rest), or on CPU `cpu_kv_cache_gib`. `release()` drops the tensors (colocated
-training needs the memory back) and `resume()` allocates them again with the same shape; the contents are
-lost, so the prefix cache must be flushed by the caller.
+and CUDA graphs live in the rest), or on CPU `cpu_kv_cache_gib`. `release()` gives the memory back (colocated
+training needs it) and `resume()` takes it again with the same shape; the contents are lost (resume zeroes
+them), so the prefix cache must be flushed by the caller. On CUDA with `stable=True` every layer's K and V
+are views of one clawrl.cuda_memory.StableBuffer: release unmaps its physical memory and resume maps new
+memory at the same addresses, so the tensors (and CUDA graphs that captured them) stay valid; otherwise
+release drops the tensors and resume allocates new ones.
 
 Each tensor holds one block more than `num_blocks`: a scratch block the block manager never hands out. The
 GPU path pads a batch to a CUDA-graph size with dummy tokens whose K/V go to `scratch_slot`.
@@ -39,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from clawrl.cuda_memory import StableBuffer
     from clawrl.engine.config import EngineConfig
     from clawrl.models.config import ModelArgs
 
@@ -58,6 +62,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        stable: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -67,7 +72,26 @@ class KVCache:
         self.device = torch.device(device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.resume()
+        self.buffer: StableBuffer | None = None
+        """The one buffer behind every K and V tensor (CUDA, stable=True), else None."""
+        if stable and self.device.type == "cuda":
+            self._build_stable()
+        else:
+            self.resume()
+
+    def _build_stable(self) -> None:
+        from clawrl.cuda_memory import StableBuffer, aligned
+
+        numel = 1
+        for size in self.block_shape:
+            numel *= size
+        stride = aligned(numel * torch.empty((), dtype=self.dtype).element_size())
+        self.buffer = StableBuffer(2 * self.num_layers * stride, self.device)
+        views = [
+            self.buffer.view(i * stride, self.block_shape, self.dtype) for i in range(2 * self.num_layers)
+        ]
+        self.k, self.v = views[: self.num_layers], views[self.num_layers :]
+        self.buffer.tensor.zero_()
 
     @property
     def scratch_slot(self) -> int:
@@ -77,11 +101,27 @@ class KVCache:
     @property
     def is_allocated(self) -> bool:
         """False between release() and resume()."""
+        if self.buffer is not None:
+            return self.buffer.is_mapped
         return bool(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every K and V tensor together (what release gives back)."""
+        per_tensor = torch.empty((), dtype=self.dtype).element_size()
+        for size in self.block_shape:
+            per_tensor *= size
+        return 2 * self.num_layers * per_tensor
 
     def resume(self) -> None:
         """Allocate the tensors (no-op when allocated). Contents start as zeros."""
         if self.is_allocated:
+            return
+        if self.buffer is not None:
+            self.buffer.resume()
+            # Attention reads whole blocks and masks the unused positions: stale bit patterns there could be
+            # NaN, and 0 * NaN is NaN. Zeroing ~50 GB takes ~15 ms on an H200.
+            self.buffer.tensor.zero_()
             return
         self.k = [
             torch.zeros(self.block_shape, dtype=self.dtype, device=self.device)
@@ -94,6 +134,9 @@ class KVCache:
 
     def release(self) -> None:
         """Free the tensors (and return CUDA memory to the device)."""
+        if self.buffer is not None:
+            self.buffer.release()
+            return
         self.k, self.v = [], []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -134,16 +177,17 @@ def plan_num_blocks(
 
 
 def build_kv_cache(
-    config: EngineConfig, args: ModelArgs, *, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, args: ModelArgs, *, dtype: torch.dtype, device: torch.device, stable: bool = False
 ) -> KVCache:
-    """The KV cache of `config` for a model of shape `args` (sized by plan_num_blocks)."""
+    """The KV cache of `config` for a model of shape `args` (sized by plan_num_blocks; `stable`: see KVCache)."""
     shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
     block_bytes = bytes_per_block(block_size=config.block_size, dtype=dtype, **shape)
     num_blocks = plan_num_blocks(
         num_kv_blocks=config.num_kv_blocks, device=device, block_bytes=block_bytes,
         mem_fraction_static=config.mem_fraction_static, cpu_kv_cache_gib=config.cpu_kv_cache_gib,
     )  # fmt: skip
-    return KVCache(num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, device=device, **shape)
+    return KVCache(num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, device=device,
+                   stable=stable, **shape)  # fmt: skip
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,515 @@
+"""Batch-invariant Triton kernels for `--true-on-policy-mode`: the engine's sampled-token log-probs and the
+trainer's recomputed ones come out of the same kernels in the same order, so they are equal bit for bit.
+
+Why ordinary kernels differ: cuBLAS picks its tiling and split-K by the matrix shape, FlashAttention splits
+long contexts for small batches, and a softmax reduces in an order that depends on the launch. The engine
+computes a token in a decode batch of 1..256 rows against a paged KV cache; the trainer computes the same
+token inside an 8k-token packed micro-batch. Every kernel here fixes its reduction order by the shapes the
+two sides share (K, head_dim, vocab, context position) and never by the row count:
+
+    y = linear(x, weight, bias)            # x [M, K] @ weight[N, K]^T (+ bias) -> [M, N] x.dtype; one tile
+                                           # config for every M, no split-K, K summed in BLOCK_K steps from 0
+    y = rms_norm(x, weight, eps)           # one program per row; RMSNorm's numerics (layers.py)
+    lp = log_probs_of(logits, tokens, t)   # log_softmax(logits.float() / t)[token], one program per row,
+                                           # online max / sum over fixed vocab chunks
+    o = varlen_attention(q, k, v, cu_seqlens, scale)      # the trainer's packed sequences
+    PagedBatchInvariantAttention(kv_cache)                # the engine's paged cache, the same kernel
+
+Attention: one program per (query token, KV head) attends over that sequence's keys 0..p (p = the query's
+position) in chunks of BLOCK_N positions starting at 0, online softmax in fp32, no split over the keys. Keys
+are found through an index (paged: row = block_table[s, p // page] * page + p % page; packed: row =
+cu_seqlens[s] + p), so the arithmetic is the same whichever side calls it.
+
+Assumption of `linear` (the GPU test tests/gpu/test_true_on_policy.py checks it): an output element's value
+depends only on its row of x, its row of the weight and the fixed tile config, not on which column block it
+falls in. That is what lets the engine's packed qkv_proj / gate_up_proj give the same numbers as the
+trainer's separate q/k/v and gate/up layers. It holds for tl.dot on tensor cores, where each output element
+is its own fp32 accumulator fed in the same k order.
+
+`enable_batch_invariant(model)` switches a native CausalLM to these kernels (its Linear layers including the
+LM head, its RMSNorms and its attention); RoPE and SiLU * up stay the eager elementwise ops (already
+invariant) and the fused training kernels are switched off, so both sides run the same code. Gradients:
+forward = the kernel, backward = plain torch (gradients need not be invariant).
+
+Cost: no split-K and no split-KV leave small decode batches with fewer programs than SMs, and the attention
+kernel re-reads keys per query token; logits are bf16 (the engine's) instead of the trainer's fp32.
+
+On CPU the kernels run only under the Triton interpreter (TRITON_INTERPRET=1, tests); there bf16 tl.dot
+operands are upcast to fp32 (the interpreter would multiply their raw bits).
+
+Shapes: M = rows, K = input features, N = output features, V = vocab, T = tokens, Hq / Hkv = query / KV
+heads, D = head_dim, S = sequences.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from clawrl.models.attention import VarlenAttention
+from clawrl.models.layers import RMSNorm, TrainKernelSwitch
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: never inf - inf
+_LOG2E = 1.4426950408889634
+# One tile config per kernel for every call (the invariance); the interpreter gets small tiles so that the
+# CPU tests cross tile boundaries with tiny shapes.
+LINEAR_BLOCKS = (16, 32, 16) if _INTERPRETED else (64, 64, 64)  # BLOCK_M, BLOCK_N, BLOCK_K
+LINEAR_WARPS, LINEAR_STAGES = 4, 3
+LOGPROB_BLOCK_V = 512 if _INTERPRETED else 4096
+ATTENTION_BLOCK_N = 8 if _INTERPRETED else 64
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    """fp32 operands: exact IEEE products; bf16/fp16: tensor cores (upcast under the interpreter)."""
+    dot_fp32 = _INTERPRETED and dtype != torch.float32
+    return {"PRECISION": "ieee" if dtype == torch.float32 or dot_fp32 else "tf32", "DOT_FP32": dot_fp32}
+
+
+# ------------------------------------------------------------------------------------------------- linear
+@triton.jit(do_not_specialize=["M", "N", "stride_om"])
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Grid (M tiles, N tiles): one BLOCK_M x BLOCK_N output tile, K summed from 0 in BLOCK_K steps."""
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + rk) < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :],
+                    mask=(rm < M)[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :],
+                    mask=(rn < N)[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        if DOT_FP32:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def linear_forward(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None) -> torch.Tensor:
+    """The kernel without autograd: [M, K] @ [N, K]^T (+ bias in the fp32 accumulator) -> [M, N] x.dtype."""
+    if x_MK.dtype != weight_NK.dtype:
+        raise ValueError(f"batch-invariant linear: input {x_MK.dtype} and weight {weight_NK.dtype} differ")
+    x_MK, weight_NK = x_MK.contiguous(), weight_NK.contiguous()
+    (num_rows, k_dim), num_cols = x_MK.shape, weight_NK.shape[0]
+    out = torch.empty(num_rows, num_cols, dtype=x_MK.dtype, device=x_MK.device)
+    if num_rows == 0:
+        return out
+    block_m, block_n, block_k = LINEAR_BLOCKS
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
+    _linear_kernel[grid](
+        x_MK, weight_NK, bias_N if bias_N is not None else weight_NK, out, num_rows, num_cols, k_dim,
+        x_MK.stride(0), weight_NK.stride(0), out.stride(0), HAS_BIAS=bias_N is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **_dot_options(x_MK.dtype),
+        num_warps=LINEAR_WARPS, num_stages=LINEAR_STAGES,
+    )  # fmt: skip
+    return out
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, weight_NK, bias_N):
+        ctx.save_for_backward(x_MK, weight_NK)
+        ctx.has_bias = bias_N is not None
+        return linear_forward(x_MK, weight_NK, bias_N)
+
+    @staticmethod
+    def backward(ctx, grad_MN):
+        x_MK, weight_NK = ctx.saved_tensors
+        grad_x = grad_MN @ weight_NK if ctx.needs_input_grad[0] else None
+        grad_w = grad_MN.t() @ x_MK if ctx.needs_input_grad[1] else None
+        grad_b = grad_MN.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with the batch-invariant kernel: x [..., K], weight [N, K] -> [..., N] in x.dtype."""
+    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------ RMSNorm
+@triton.jit(do_not_specialize=["stride_x", "stride_o"])
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, width, eps, stride_x, stride_o, BLOCK: tl.constexpr):
+    """Grid (rows,): RMSNorm of one row (fp32 statistics, normalised value rounded to x's dtype first)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / width + eps)
+    normed = (x32 * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        width = x.shape[-1]
+        rows = x.reshape(-1, width).contiguous()
+        out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        if rows.shape[0]:
+            _rms_norm_kernel[(rows.shape[0],)](
+                rows,
+                weight,
+                out,
+                width,
+                eps,
+                rows.stride(0),
+                out.stride(0),
+                BLOCK=triton.next_power_of_2(width),
+            )
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():  # gradients of the eager definition, recomputed
+            x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            grad_x, grad_w = torch.autograd.grad(_rms_norm_eager(x_, w_, ctx.eps), (x_, w_), grad_out)
+        return grad_x, grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dim of x (clawrl.models.layers.RMSNorm's numerics), one program per row."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+# ------------------------------------------------------------------------------------ sampled log-probs
+@triton.jit(do_not_specialize=["stride_l"])
+def _log_probs_kernel(
+    logits_ptr, tokens_ptr, temps_ptr, out_ptr, vocab, stride_l, BLOCK_V: tl.constexpr, NEG_BIG: tl.constexpr
+):
+    """Grid (rows,): log_softmax(logits / t)[token] of one row; lane-wise online max / sum over BLOCK_V
+    chunks from 0, then one tree over the lanes."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_l
+    temp = tl.load(temps_ptr + row)
+    cols = tl.arange(0, BLOCK_V)
+    m_vec = tl.full([BLOCK_V], NEG_BIG, tl.float32)
+    s_vec = tl.full([BLOCK_V], 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK_V):
+        mask = start + cols < vocab
+        z = tl.load(base + start + cols, mask=mask, other=0.0).to(tl.float32) / temp
+        z = tl.where(mask, z, NEG_BIG)
+        m_new = tl.maximum(m_vec, z)
+        s_vec = s_vec * tl.exp(m_vec - m_new) + tl.where(mask, tl.exp(z - m_new), 0.0)
+        m_vec = m_new
+    m = tl.max(m_vec, axis=0)
+    s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
+    token = tl.load(tokens_ptr + row)
+    z_token = tl.load(base + token).to(tl.float32) / temp
+    tl.store(out_ptr + row, (z_token - m) - tl.log(s))
+
+
+def _row_temperatures(temperature: float | torch.Tensor, num_rows: int, device) -> torch.Tensor:
+    """fp32 [M] temperatures (0: greedy rows, reported at temperature 1, like the engine's sampler)."""
+    if not isinstance(temperature, torch.Tensor):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        temperature = torch.full((num_rows,), float(temperature), dtype=torch.float32, device=device)
+    temperature = temperature.to(device=device, dtype=torch.float32)
+    return torch.where(temperature == 0.0, 1.0, temperature).contiguous()
+
+
+def log_probs_forward(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temps_M: torch.Tensor) -> torch.Tensor:
+    """The kernel without autograd: fp32 [M] (temps_M from `_row_temperatures`)."""
+    logits_MV = logits_MV if logits_MV.stride(-1) == 1 else logits_MV.contiguous()
+    out = torch.empty(logits_MV.shape[0], dtype=torch.float32, device=logits_MV.device)
+    if logits_MV.shape[0]:
+        _log_probs_kernel[(logits_MV.shape[0],)](
+            logits_MV, tokens_M.to(torch.int64).contiguous(), temps_M, out, logits_MV.shape[1],
+            logits_MV.stride(0), BLOCK_V=LOGPROB_BLOCK_V, NEG_BIG=_NEG_BIG,
+        )  # fmt: skip
+    return out
+
+
+class _LogProbsOf(torch.autograd.Function):
+    """(logp [M], entropy [M]): logp by the kernel; entropy eager (fp32, chunks of rows, no graph kept);
+    backward recomputes softmax(logits / t) per chunk of rows."""
+
+    CHUNK = 1024
+
+    @staticmethod
+    def forward(ctx, logits_MV, tokens_M, temps_M, with_entropy):
+        ctx.set_materialize_grads(False)
+        logp_M = log_probs_forward(logits_MV, tokens_M, temps_M)
+        entropy_M = torch.zeros_like(logp_M)
+        if with_entropy:
+            for rows in _chunks(logits_MV.shape[0], _LogProbsOf.CHUNK):
+                log_p = torch.log_softmax(logits_MV[rows].float() / temps_M[rows, None], dim=-1)
+                entropy_M[rows] = -(log_p.exp() * log_p).sum(-1)
+        ctx.save_for_backward(logits_MV, tokens_M, temps_M, entropy_M)
+        return logp_M, entropy_M
+
+    @staticmethod
+    def backward(ctx, grad_logp_M, grad_entropy_M):
+        logits_MV, tokens_M, temps_M, entropy_M = ctx.saved_tensors
+        grad_logits = torch.zeros_like(logits_MV)
+        for rows in _chunks(logits_MV.shape[0], _LogProbsOf.CHUNK):
+            log_p = torch.log_softmax(logits_MV[rows].float() / temps_M[rows, None], dim=-1)
+            p = log_p.exp()
+            dz = torch.zeros_like(p)
+            if grad_logp_M is not None:  # d logp / dz = onehot - p
+                dz -= p * grad_logp_M[rows, None]
+                dz.scatter_add_(1, tokens_M[rows, None].long(), grad_logp_M[rows, None].float())
+            if grad_entropy_M is not None:  # d H / dz = -p (log p + H)
+                dz -= p * (log_p + entropy_M[rows, None]) * grad_entropy_M[rows, None]
+            grad_logits[rows] = (dz / temps_M[rows, None]).to(logits_MV.dtype)
+        return grad_logits, None, None, None
+
+
+def _chunks(num_rows: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
+
+
+def log_probs_of(
+    logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature: float | torch.Tensor, *, with_entropy=False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_softmax(logits.float() / t)[token], entropy of that distribution or zeros), fp32 [M] each.
+
+    `temperature`: one value or fp32 [M] per row; 0 means temperature 1 (greedy rows). Differentiable
+    w.r.t. the logits. Row i's log-prob depends on row i only, bit for bit."""
+    temps_M = _row_temperatures(temperature, logits_MV.shape[0], logits_MV.device)
+    return _LogProbsOf.apply(logits_MV, tokens_M.long(), temps_M, with_entropy)
+
+
+def sampled_log_probs(logits_MV, tokens_M, temperatures_M, *, out: torch.Tensor) -> torch.Tensor:
+    """The engine's side: `out` [M] = log-probs of the sampled tokens (graph-safe, no host sync)."""
+    return out.copy_(log_probs_forward(logits_MV, tokens_M, _row_temperatures(temperatures_M, 0, out.device)))
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@triton.jit(do_not_specialize=["stride_qn", "stride_on", "stride_kr", "stride_t"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, seq_ptr, pos_ptr, table_ptr, qk_scale,
+    stride_qn, stride_qh, stride_on, stride_oh, stride_kr, stride_kh, stride_t,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    NEG_BIG: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, Hkv): the G query heads of one KV head of one query token over keys 0..pos of its sequence.
+
+    Key row of position j: PAGED: table[seq, j // PAGE] * PAGE + j % PAGE; else table[seq] + j (the
+    sequence's first row). pos = -1 (padding) gives zeros. k and v share strides."""
+    token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    seq = tl.load(seq_ptr + token).to(tl.int64)
+    num_keys = tl.load(pos_ptr + token).to(tl.int32) + 1
+    rows = tl.arange(0, ROWS)
+    heads = kv_head * GROUP + rows
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < D
+    io_mask = (rows < GROUP)[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + token * stride_qn + heads[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    acc = tl.full([ROWS, D_PAD], 0, tl.float32)
+    m_i = tl.full([ROWS], 0, tl.float32) + NEG_BIG
+    l_i = tl.full([ROWS], 0, tl.float32)
+    first_row = tl.load(table_ptr + seq * stride_t).to(tl.int64)  # packed: the sequence's first key row
+    for start in range(0, num_keys, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_mask = kpos < num_keys
+        if PAGED:
+            block = tl.load(table_ptr + seq * stride_t + kpos // PAGE, mask=k_mask, other=0).to(tl.int64)
+            key_rows = block * PAGE + kpos % PAGE
+        else:
+            key_rows = first_row + kpos
+        offsets = key_rows[:, None] * stride_kr + kv_head * stride_kh + offs_d[None, :]
+        kv_mask = k_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(k_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        p = p.to(v_ptr.dtype.element_ty)
+        if DOT_FP32:
+            v, p = v.to(tl.float32), p.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + token * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def attention_forward(
+    q_THD: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_T: torch.Tensor, pos_T: torch.Tensor,
+    table: torch.Tensor, scale: float, *, page: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """The kernel: q [T, Hq, D]; k/v rows [R, Hkv, D] (a flattened paged cache, or packed k/v); seq_T / pos_T
+    each query's sequence and position (-1: padding); table [S, W] block ids (`page` tokens each) or, with
+    page None, [S] first rows of packed sequences -> [T, Hq, D] in q's dtype."""
+    assert k_rows.stride() == v_rows.stride() and k_rows.stride(-1) == 1 and q_THD.stride(-1) == 1
+    assert q_THD.dtype == k_rows.dtype == v_rows.dtype, (q_THD.dtype, k_rows.dtype)
+    num_tokens, num_heads, head_dim = q_THD.shape
+    num_kv_heads = k_rows.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q_THD)
+    if num_tokens == 0:
+        return out
+    table = table if table.dim() == 2 else table.unsqueeze(1)
+    _attention_kernel[(num_tokens, num_kv_heads)](
+        q_THD, k_rows, v_rows, out, seq_T, pos_T, table, scale * _LOG2E,
+        q_THD.stride(0), q_THD.stride(1), out.stride(0), out.stride(1), k_rows.stride(0), k_rows.stride(1),
+        table.stride(0), GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), D=head_dim,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=ATTENTION_BLOCK_N, PAGE=page or 1,
+        PAGED=page is not None, **_dot_options(q_THD.dtype), NEG_BIG=_NEG_BIG, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def packed_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position) of each of `num_tokens` packed tokens; tokens past cu_seqlens[-1] get position -1."""
+    token = torch.arange(num_tokens, device=cu_seqlens.device)
+    cu = cu_seqlens.to(torch.int64)
+    seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=cu.numel() - 2)
+    pos = torch.where(token < cu[-1], token - cu[seq], -1)
+    return seq, pos
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.scale = scale
+        seq_T, pos_T = packed_layout(cu_seqlens, q.shape[0])
+        k, v = k.contiguous(), v.contiguous()
+        return attention_forward(q.contiguous(), k, v, seq_T, pos_T, cu_seqlens[:-1].to(torch.int64),
+                                 scale, page=None)  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():  # eager per-segment attention, recomputed for its gradients
+            out = VarlenAttention(cu_seqlens, 1)._segment_forward(*leaves, ctx.scale)
+            grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+        return (*grads, None, None)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+):
+    """Causal attention inside each packed segment (VarlenAttention's meaning) with the batch-invariant
+    kernel: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    return _VarlenAttention.apply(q, k, v, cu_seqlens.to(q.device), scale)
+
+
+class PagedBatchInvariantAttention:
+    """The engine's AttentionBackend in true-on-policy mode: writes the step's k/v into the paged cache, then
+    runs the batch-invariant kernel over it. `begin(batch)` takes the GPU runner's TritonBatch (slot mapping,
+    block tables, context lengths, and for prefill the query starts); graph-safe for decode batches."""
+
+    def __init__(self, kv_cache) -> None:
+        self.kv_cache = kv_cache
+        self.batch = None
+
+    def begin(self, batch) -> None:
+        """Set the layout of the next forward."""
+        self.batch = batch
+
+    def forward(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+        batch = self.batch
+        assert batch is not None, "PagedBatchInvariantAttention.begin() must be called before the forward"
+        k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
+        k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+        k_rows.index_copy_(0, batch.slot_mapping_N, k.to(k_rows.dtype))
+        v_rows.index_copy_(0, batch.slot_mapping_N, v.to(v_rows.dtype))
+        seq_T, pos_T = self._layout(q.shape[0])
+        return attention_forward(q.contiguous(), k_rows, v_rows, seq_T, pos_T, batch.block_tables, scale,
+                                 page=k_cache.shape[1])  # fmt: skip
+
+    def _layout(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, position) of each new token: decode: row s at ctx_lens[s] - 1 (-1 for padding rows);
+        prefill: the last q_len of each sequence's ctx_lens positions."""
+        batch = self.batch
+        ctx = batch.ctx_lens.to(torch.int64)
+        if batch.query_start is None:
+            return torch.arange(num_tokens, device=ctx.device), ctx - 1
+        starts = batch.query_start.to(torch.int64)
+        token = torch.arange(num_tokens, device=ctx.device)
+        seq = torch.searchsorted(starts[1:], token, right=True).clamp(max=ctx.numel() - 1)
+        return seq, ctx[seq] - (starts[seq + 1] - starts[seq]) + (token - starts[seq])
+
+
+# ----------------------------------------------------------------------------------------- model switch
+class BatchInvariantLinear(nn.Linear):
+    """nn.Linear whose forward is the batch-invariant kernel (same parameters and state-dict names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class BatchInvariantRMSNorm(RMSNorm):
+    """RMSNorm whose forward is the batch-invariant kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def attend(backend, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+    """A switched Attention module's attention: the trainer's VarlenAttention or the engine's
+    PagedBatchInvariantAttention, both through the one kernel."""
+    if isinstance(backend, VarlenAttention):
+        return varlen_attention(q, k, v, backend.cu_seqlens, scale)
+    if isinstance(backend, PagedBatchInvariantAttention):
+        return backend.forward(layer_idx, q, k, v, scale)
+    raise TypeError(
+        f"true-on-policy mode: attention backend {type(backend).__name__} is not batch-invariant "
+        f"(use VarlenAttention or PagedBatchInvariantAttention)"
+    )
+
+
+def enable_batch_invariant(model: nn.Module) -> int:
+    """Route a native CausalLM's Linear layers (LM head and packed ones included), RMSNorms and attention
+    through the batch-invariant kernels, and switch its fused training kernels off (RoPE and SiLU * up then
+    run the eager ops on every side). Call before FSDP wraps it. Returns the number of modules switched."""
+    from clawrl.models.moe import SparseMoeBlock
+
+    if _INTERPRETED is False and not torch.cuda.is_available():
+        raise ValueError("--true-on-policy-mode: the batch-invariant kernels need a CUDA device "
+                         "(on CPU they run only under the Triton interpreter, TRITON_INTERPRET=1)")  # fmt: skip
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            raise ValueError("--true-on-policy-mode supports dense models only (Qwen2/Qwen3/Llama), not MoE")
+        if isinstance(module, TrainKernelSwitch):
+            module.kernel_devices = frozenset()
+        if type(module) is nn.Linear:
+            module.__class__ = BatchInvariantLinear
+        elif type(module) is RMSNorm:
+            module.__class__ = BatchInvariantRMSNorm
+        elif isinstance(getattr(type(module), "batch_invariant", None), bool):  # decoder.Attention (which
+            module.batch_invariant = True  # imports this module: not imported here)
+        else:
+            continue
+        switched += 1
+    model.batch_invariant = True  # read by the trainer's log-prob pass (clawrl/trainer/rl_step.py)
+    return switched

@@ -1,0 +1,176 @@
+"""Batch-invariant kernels of clawrl/models/batch_invariant.py (--true-on-policy-mode), run by the Triton
+interpreter on CPU (compiled on a GPU machine): each equals its eager definition, and row i's result is the
+same bits whether computed in a batch of 1, 3 or 17 rows; the linear layer's columns are the same bits alone
+or inside a packed weight (the engine's qkv_proj vs the trainer's q/k/v); attention reads the same keys
+through a paged block table and through packed sequences with equal results. Also the model switch and the
+gradients the trainer needs. Run by hand:
+
+    .venv/bin/pytest -q tests/unit/test_batch_invariant.py
+"""
+
+import pytest
+import torch
+from interpreted_triton import DEVICE, replace_tests_if_triton_was_imported_too_early  # before triton
+
+from clawrl.models import batch_invariant as bi
+from clawrl.models.attention import VarlenAttention
+from clawrl.models.config import ModelArgs
+from clawrl.models.decoder import CausalLM
+from clawrl.models.layers import RMSNorm
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_eager_and_is_row_and_column_invariant(dtype):
+    x, w, b = randn(17, 40, dtype=dtype), randn(70, 40, dtype=dtype, seed=1), randn(70, dtype=dtype, seed=2)
+    y = bi.linear(x, w, b)
+    want = x.float() @ w.float().t() + b.float()
+    # bf16: one output rounding (the interpreter truncates instead of rounding to nearest)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.13, "rtol": 1e-2}
+    torch.testing.assert_close(y.float(), want, **tol)
+    for rows in (slice(3, 4), slice(2, 5)):  # 1 and 3 rows vs 17
+        assert torch.equal(bi.linear(x[rows], w, b), y[rows])
+    # q/k/v cut from a packed qkv weight at offsets that are not tile multiples
+    for cols in (slice(0, 24), slice(24, 40), slice(40, 70)):
+        assert torch.equal(bi.linear(x, w[cols], b[cols]), y[:, cols])
+
+
+def test_linear_gradients_are_eager():
+    x, w, b = randn(5, 12).requires_grad_(), randn(7, 12, seed=1).requires_grad_(), randn(7, seed=2)
+    b.requires_grad_()
+    grads = torch.autograd.grad(bi.linear(x, w, b).pow(2).sum(), (x, w, b))
+    x_, w_, b_ = (t.detach().requires_grad_() for t in (x, w, b))
+    want = torch.autograd.grad(torch.nn.functional.linear(x_, w_, b_).pow(2).sum(), (x_, w_, b_))
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_matches_eager_and_is_row_invariant():
+    x, w = randn(17, 3, 24, scale=3.0), randn(24, seed=1)
+    y = bi.rms_norm(x, w, 1e-6)
+    norm = RMSNorm(24, 1e-6).to(DEVICE)
+    norm.weight.data.copy_(w)
+    torch.testing.assert_close(y, norm(x), atol=1e-6, rtol=1e-5)
+    for rows in (slice(4, 5), slice(0, 3)):
+        assert torch.equal(bi.rms_norm(x[rows], w, 1e-6), y[rows])
+
+
+def test_log_probs_of_matches_log_softmax_and_is_row_invariant():
+    logits, tokens = randn(17, 1100, scale=4.0), torch.randint(0, 1100, (17,), device=DEVICE)
+    temps = torch.tensor([0.7] * 8 + [0.0] * 9, device=DEVICE)  # 0: a greedy row, reported at T = 1
+    lp, _ = bi.log_probs_of(logits, tokens, temps)
+    scaled = logits / torch.where(temps == 0, 1.0, temps)[:, None]
+    want = torch.log_softmax(scaled.double(), -1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(lp.double(), want, atol=2e-6, rtol=0)
+    for rows in (slice(9, 10), slice(6, 9)):
+        assert torch.equal(bi.log_probs_of(logits[rows], tokens[rows], temps[rows])[0], lp[rows])
+    # The trainer passes one float; the engine a per-row tensor: the same op.
+    assert torch.equal(bi.log_probs_of(logits[:8], tokens[:8], 0.7)[0], lp[:8])
+    out = torch.empty(17, device=DEVICE)
+    assert torch.equal(bi.sampled_log_probs(logits, tokens, temps, out=out), lp)
+
+
+def test_log_probs_of_entropy_and_gradients():
+    logits = randn(6, 300, scale=2.0).requires_grad_()
+    tokens = torch.randint(0, 300, (6,), device=DEVICE)
+    lp, entropy = bi.log_probs_of(logits, tokens, 0.9, with_entropy=True)
+    grads = torch.autograd.grad((lp * 0.3 + entropy * 0.7).sum(), logits)[0]
+    ref_logits = logits.detach().requires_grad_()
+    log_p = torch.log_softmax(ref_logits / 0.9, -1)
+    ref_lp, ref_entropy = log_p.gather(1, tokens[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+    ref_grads = torch.autograd.grad((ref_lp * 0.3 + ref_entropy * 0.7).sum(), ref_logits)[0]
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads, ref_grads, atol=1e-6, rtol=1e-4)
+
+
+def packed_qkv(lengths, seed=0, heads=4, kv_heads=2, dim=16):
+    total = sum(lengths)
+    return (
+        randn(total, heads, dim, seed=seed),
+        randn(total, kv_heads, dim, seed=seed + 1),
+        randn(total, kv_heads, dim, seed=seed + 2),
+    )
+
+
+def test_varlen_attention_matches_eager_and_is_batch_invariant():
+    lengths = [7, 13, 1]  # 13 keys cross BLOCK_N chunks under the interpreter (8)
+    q, k, v = packed_qkv(lengths)
+    attn = VarlenAttention.from_lengths(lengths, device=DEVICE)
+    out = bi.varlen_attention(q, k, v, attn.cu_seqlens, 0.25)
+    torch.testing.assert_close(out, attn.forward(0, q, k, v, 0.25), atol=1e-6, rtol=1e-5)
+    alone = VarlenAttention.from_lengths([13], device=DEVICE)
+    assert torch.equal(bi.varlen_attention(q[7:20], k[7:20], v[7:20], alone.cu_seqlens, 0.25), out[7:20])
+
+
+def test_paged_cache_gives_the_packed_result():
+    """The engine's view: one sequence's 13 keys scattered over 4-token pages in a shuffled order; its
+    last 5 tokens as a prefill chunk, and its last token as one decode row beside a padding row."""
+    lengths = [13]
+    q, k, v = packed_qkv(lengths, seed=4)
+    packed = bi.varlen_attention(q, k, v, VarlenAttention.from_lengths(lengths).cu_seqlens.to(DEVICE), 0.25)
+    page, blocks = 4, [5, 1, 7, 2]
+    k_cache, v_cache = torch.zeros(9, page, 2, 16, device=DEVICE), torch.zeros(9, page, 2, 16, device=DEVICE)
+    for pos in range(13):
+        k_cache[blocks[pos // page], pos % page], v_cache[blocks[pos // page], pos % page] = k[pos], v[pos]
+    table = torch.tensor([blocks, [0, 0, 0, 0]], dtype=torch.int32, device=DEVICE)
+    seq, pos = torch.tensor([0, 0, 0, 0, 0]), torch.arange(8, 13)
+    chunk = bi.attention_forward(q[8:13], k_cache.flatten(0, 1), v_cache.flatten(0, 1), seq.to(DEVICE),
+                                 pos.to(DEVICE), table, 0.25, page=page)  # fmt: skip
+    assert torch.equal(chunk, packed[8:13])
+    decode_q = torch.stack([q[12], q[0]])
+    decode = bi.attention_forward(decode_q, k_cache.flatten(0, 1), v_cache.flatten(0, 1),
+                                  torch.tensor([0, 1], device=DEVICE), torch.tensor([12, -1], device=DEVICE),
+                                  table, 0.25, page=page)  # fmt: skip
+    assert torch.equal(decode[0], packed[12])
+    assert torch.equal(decode[1], torch.zeros_like(decode[1]))  # padding row (no context)
+
+
+def test_varlen_attention_gradients_are_eager():
+    lengths = [5, 6]
+    q, k, v = (t.requires_grad_() for t in packed_qkv(lengths, seed=8))
+    cu = VarlenAttention.from_lengths(lengths, device=DEVICE).cu_seqlens
+    grads = torch.autograd.grad(bi.varlen_attention(q, k, v, cu, 0.3).pow(2).sum(), (q, k, v))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = VarlenAttention(cu, 6)._segment_forward(*leaves, 0.3)
+    for got, want in zip(grads, torch.autograd.grad(ref.pow(2).sum(), leaves), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def tiny_args(**overrides):
+    shape = dict(arch="qwen3", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
+                 num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
+                 qk_norm=True, tie_word_embeddings=False)  # fmt: skip
+    return ModelArgs(**{**shape, **overrides})
+
+
+def test_enable_batch_invariant_switches_the_model_and_keeps_its_numbers():
+    torch.manual_seed(0)
+    model = CausalLM(tiny_args()).to(DEVICE)
+    reference = CausalLM(tiny_args()).to(DEVICE)
+    reference.load_state_dict(model.state_dict())
+    switched = bi.enable_batch_invariant(model)
+    # 1 layer: q/k/v/o + gate/up/down + lm_head = 8 linears; 2 + 2 (q/k norms) + 1 norms; 1 attention
+    assert switched == 8 + 5 + 1 and model.batch_invariant
+    assert list(model.state_dict()) == list(reference.state_dict())
+    ids, positions = torch.randint(0, 96, (9,), device=DEVICE), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4])
+    attn = VarlenAttention.from_lengths([4, 5], device=DEVICE)
+    hidden = model(ids, positions.to(DEVICE), attn)
+    torch.testing.assert_close(hidden, reference(ids, positions.to(DEVICE), attn), atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="not batch-invariant"):
+        bi.attend(object(), 0, None, None, None, 1.0)
+
+
+def test_enable_batch_invariant_refuses_moe():
+    moe = tiny_args(arch="qwen3_moe", num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16)
+    with pytest.raises(ValueError, match="dense models only"):
+        bi.enable_batch_invariant(CausalLM(moe))
+
+
+replace_tests_if_triton_was_imported_too_early(globals(), __file__)
