@@ -175,10 +175,12 @@ def make_engine(path: Path, args, *, max_running: int, dtype: str = "bfloat16", 
             model_path=str(path), device=args.device, dtype=dtype if args.device == "cuda" else "float32",
             max_running_requests=max_running, mem_fraction_static=args.mem_fraction_static,
             enable_cuda_graph=cuda_graph, num_kv_blocks=None if args.device == "cuda" else 4096,
+            true_on_policy_mode=getattr(args, "true_on_policy", False),
         )
     )  # fmt: skip
     print(f"  engine ready in {time.perf_counter() - start:.1f} s "
-          f"({engine.kv_cache.num_blocks} KV blocks, graphs {'on' if cuda_graph else 'off'})")  # fmt: skip
+          f"({engine.kv_cache.num_blocks} KV blocks, graphs {'on' if cuda_graph else 'off'}"
+          f"{', true-on-policy mode' if engine.config.true_on_policy_mode else ''})")  # fmt: skip
     return engine
 
 
@@ -831,6 +833,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="print profiler tables of one decode step (first configuration)")  # fmt: skip
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of temperature-1 sampling")
+    p.add_argument("--true-on-policy", action="store_true",
+                   help="the engine in --true-on-policy-mode (batch-invariant kernels): its cost at this batch")  # fmt: skip
     p.add_argument("--warmup", type=int, default=1, help="short warm-up generations before timing")
     p.add_argument(
         "--repeats", type=int, default=1, help="timed generations per schedule; the median is reported"
