@@ -43,11 +43,17 @@ def init_distributed(
     kwargs = {}
     if device_type == "cuda":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    if world_size == 1 and device_type == "cpu":
+        # Nobody to meet: an in-process store instead of a TCP one. The port free_port() found may be taken
+        # by another process (an engine's server starting at the same moment) before the store binds it.
+        # (CUDA keeps the TCP store until NCCL with an in-process store has run on a GPU here.)
+        kwargs["store"] = dist.HashStore()
+    else:
+        kwargs["init_method"] = f"tcp://{master_addr}:{master_port}"
     dist.init_process_group(
         backend=backend,
         rank=rank,
         world_size=world_size,
-        init_method=f"tcp://{master_addr}:{master_port}",
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )

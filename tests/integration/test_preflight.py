@@ -1,5 +1,10 @@
 """Bad inputs fail fast: before Ray starts, with one line naming the flag, file (and line) and the value,
-exit code 2, in under 5 s, and nothing written (the output directory is not even created)."""
+exit code 2, in a few seconds, and nothing written (the output directory is not even created).
+
+The one-line stderr already shows Ray never started (it prints its own line, and clawrl "Ray ready"). The time
+bound, 8 s, catches a check that moved after the start-up (a tiny run's start-up alone takes ~12 s); the
+slowest case, the architecture check, imports transformers and took 5.0 s once on 2 cores busy with a
+parallel test worker, so a tighter bound measured the machine's load rather than the order of the checks."""
 
 import json
 import subprocess
@@ -88,4 +93,4 @@ def test_bad_input_is_one_line_exit_2_fast_and_writes_nothing(inputs, tmp_path, 
     assert expected.format(**inputs) in lines[0]
     assert result.stdout == ""
     assert not out.exists()
-    assert elapsed < 5.0, f"{case}: {elapsed:.1f} s"
+    assert elapsed < 8.0, f"{case}: {elapsed:.1f} s"
