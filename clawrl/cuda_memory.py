@@ -14,7 +14,6 @@ release, and touching them while released is an illegal memory access, so owners
     k = buf.view(0, (layers, blocks, 16, 2, 64), torch.bfloat16)
     buf.release()                                # physical memory back to the driver; k must not be used
     buf.resume()                                 # same addresses, new (undefined) contents
-    buf.close()                                  # unmapped and the address range freed
 
 Only Linux with a CUDA driver (libcuda.so.1); `stable_memory_available()` says whether it works here.
 """
@@ -180,13 +179,6 @@ class StableBuffer:
                 lib.cuMemRelease(handle)
                 raise
         self._handle = handle.value
-
-    def close(self) -> None:
-        """Release the memory and free the address range; the buffer's tensors must be dropped first."""
-        self.release()
-        self.tensor = None  # type: ignore[assignment]
-        with torch.cuda.device(self._ordinal):
-            _driver().cuMemAddressFree(ctypes.c_uint64(self.address), ctypes.c_size_t(self.mapped_bytes))
 
 
 def move_parameters_into(module: torch.nn.Module, device: torch.device) -> StableBuffer:
