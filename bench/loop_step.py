@@ -30,7 +30,13 @@ length of random tokens; a --save-debug-rollout-data dump would add its write to
 Parts without a standalone benchmark (reward, memory release/resume, offload/onload) say "n/a".
 loop efficiency = (sum of the standalone times) / (step time): 1.0 when the loop adds nothing to its parts.
 
-Writes the markdown table to stdout and everything to --json-out.
+Also per rollout (warm-up included): the engine's steps and its counters in ms per step (busy: inside its
+step; cpu: the engine thread's CPU in it; gpu_wait: blocked on the GPU; gpu: the steps' span on the GPU;
+process_cpu: all the engine process's threads), so a step that drifts from rollout to rollout shows where;
+and the engine thread's seconds idle (waiting for a request) and applying commands (adding requests): the
+rollout's time outside those and the steps is outside the engine thread (HTTP, the rollout manager).
+
+Writes the markdown tables to stdout and everything to --json-out.
 
 Run (H200, from the repository root; ray, fastapi, uvicorn carried as for bench/gpu_smoke.py):
     PYTHONPATH=. python bench/loop_step.py --json-out $OUT/loop_step.json
@@ -138,6 +144,44 @@ def loop_phases(rows: list[dict], warmup: int = 1) -> dict[str, float]:
         per_step.append(values)
     keys = set().union(*per_step)
     return {k: statistics.median(v[k] for v in per_step if k in v) for k in sorted(keys)}
+
+
+ENGINE_COUNTERS = (("busy", "perf/engine_busy_time"), ("cpu", "perf/engine_step_cpu_time"),
+                   ("gpu_wait", "perf/engine_gpu_wait_time"), ("gpu", "perf/engine_gpu_time"),
+                   ("process_cpu", "perf/engine_process_cpu_time"))  # fmt: skip
+
+
+def per_rollout(rows: list[dict]) -> list[dict]:
+    """Each rollout's time, the engine's steps and its counters in ms per step (None where not logged):
+    whether the engine's step drifts from rollout to rollout, and whether the drift is on the GPU (gpu), in
+    the engine thread's CPU work (cpu) or off the CPU (busy - cpu - gpu_wait: the GIL, the scheduler)."""
+    out = []
+    for row in rows:
+        if "perf/rollout_time" not in row:
+            continue
+        steps = row.get("perf/engine_steps")
+        entry = {"step": row["step"], "rollout_s": row["perf/rollout_time"], "engine_steps": steps}
+        for name, key in ENGINE_COUNTERS:
+            value = row.get(key)
+            entry[f"{name}_ms_per_step"] = value * 1e3 / steps if value is not None and steps else None
+        entry["idle_s"], entry["command_s"] = (
+            row.get("perf/engine_idle_time"),
+            row.get("perf/engine_command_time"),
+        )
+        out.append(entry)
+    return out
+
+
+def per_rollout_markdown(entries: list[dict]) -> str:
+    """per_rollout() as a markdown table."""
+    head = "| rollout | rollout s | engine steps | " + " | ".join(f"{n} ms/step" for n, _ in ENGINE_COUNTERS)
+    lines = [head + " | engine idle s | engine commands s |", "|---" * (5 + len(ENGINE_COUNTERS)) + "|"]
+    for e in entries:
+        cells = [str(e["step"]), f"{e['rollout_s']:.3f}", _num(e["engine_steps"], ".0f")]
+        cells += [_num(e[f"{n}_ms_per_step"], ".2f") for n, _ in ENGINE_COUNTERS]
+        cells += [_num(e.get("idle_s"), ".3f"), _num(e.get("command_s"), ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def build_table(loop: dict[str, float], standalone: dict[str, float | None]) -> dict:
@@ -390,7 +434,12 @@ def run_shape(shape: str, args, device: str, num_gpus: int) -> dict:
         except RuntimeError as error:
             result["modes"][mode] = {"error": str(error)}
             continue
-        result["modes"][mode] = {"metrics": rows, "loop": loop_phases(rows, warmup=1)}
+        result["modes"][mode] = {"metrics": rows, "loop": loop_phases(rows, warmup=1),
+                                 "per_rollout": per_rollout(rows)}  # fmt: skip
+        print(
+            f"\n{shape} {mode}, the engine per rollout:\n" + per_rollout_markdown(per_rollout(rows)),
+            flush=True,
+        )
         first_run = first_run or (flags, rows)
     if first_run is None:
         return result
@@ -452,6 +501,7 @@ def print_tables(results: dict) -> None:
             title = f"{shape['shape']}, {mode}"
             if "table" in entry:
                 print(markdown(entry["table"], title) + "\n")
+                print(per_rollout_markdown(entry["per_rollout"]) + "\n")
             else:
                 print(f"### {title}\n\nn/a: {entry.get('n/a') or entry.get('error')}\n")
 

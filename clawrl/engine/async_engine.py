@@ -47,7 +47,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clawrl.engine.control import ControlAPI, as_request_error
 from clawrl.engine.core.request import (
@@ -61,6 +61,9 @@ from clawrl.engine.core.request import (
     check_prompt,
     collect_results,
 )
+
+if TYPE_CHECKING:
+    from clawrl.engine.runner.base import DeviceTiming
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +82,26 @@ class EngineStats:
     """Core steps run (prefill, decode or mixed)."""
     busy_s: float = 0.0
     """Wall seconds inside Engine.step(), the GPU wait included."""
+    cpu_s: float = 0.0
+    """The engine thread's CPU seconds inside Engine.step() (a spinning wait for the GPU counts). Wall time
+    that is neither this nor `wait_s` is time the thread was off the CPU: the GIL, or the OS scheduler."""
+    idle_s: float = 0.0
+    """Wall seconds the engine thread waited for a command with nothing to step (no request, or paused or
+    released). A rollout's time that is neither this, `busy_s` nor `command_s` is the thread's own loop."""
+    command_s: float = 0.0
+    """Wall seconds applying commands: adding and aborting requests, weight updates, memory release..."""
     outputs: int = 0
     """Step outputs produced (one per sequence and step: the tokens generated, plus scored prompts)."""
+    device: DeviceTiming | None = None
+    """The CUDA runner's: seconds blocked on the GPU (`wait_s`) and the steps' span on it (`gpu_s`)."""
 
     def as_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, "busy_s": round(self.busy_s, 6), "outputs": self.outputs}
+        stats = {"steps": self.steps, "busy_s": round(self.busy_s, 6), "cpu_s": round(self.cpu_s, 6),
+                 "idle_s": round(self.idle_s, 6), "command_s": round(self.command_s, 6),
+                 "outputs": self.outputs, "process_cpu_s": round(time.process_time(), 6)}  # fmt: skip
+        if self.device is not None:
+            stats["wait_s"], stats["gpu_s"] = round(self.device.wait_s, 6), round(self.device.gpu_s, 6)
+        return stats
 
 
 @dataclass
@@ -192,7 +210,7 @@ class AsyncEngine(ControlAPI):
         self._pending: dict[str, _Pending] = {}
         self._paused = False
         self._released: set[str] = set()
-        self.stats = EngineStats()
+        self.stats = EngineStats(device=getattr(getattr(engine, "runner", None), "timing", None))
         """Read by /get_server_info (the rollout logs where its time went: perf/engine_busy_time)."""
         # Shared, written by one thread, read by others (single attribute stores are atomic in CPython).
         self._fatal: EngineUnavailableError | None = None
@@ -365,16 +383,23 @@ class AsyncEngine(ControlAPI):
         return not self._paused and not self._released and self.engine.has_unfinished_requests()
 
     def _apply_commands(self, *, block: bool) -> None:
+        waited = time.perf_counter()
         try:
             command = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
-        while True:
-            self._apply(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            command = None
+        applying = time.perf_counter()
+        if block:
+            self.stats.idle_s += applying - waited
+        try:
+            while command is not None:
+                self._apply(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+        finally:
+            self.stats.command_s += time.perf_counter() - applying
 
     def _apply(self, command: _Command) -> None:
         handler = self._handlers[command.kind]
@@ -390,11 +415,12 @@ class AsyncEngine(ControlAPI):
             self._current = None
 
     def _step(self) -> None:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         with self.watchdog.busy("step"):
             outputs = self.engine.step()
         stats = self.stats
         stats.steps, stats.busy_s = stats.steps + 1, stats.busy_s + (time.perf_counter() - started)
+        stats.cpu_s += time.thread_time() - cpu_started
         stats.outputs += len(outputs)
         # Runs over the whole batch every step on the engine thread: a dict lookup and an append or an add.
         events: list[tuple[str, Any]] = []

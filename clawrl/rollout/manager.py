@@ -553,19 +553,36 @@ def _load_tokenizer(path: str | None) -> Any:
 def engine_busy_metrics(
     before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None, rollout_s: float
 ) -> dict[str, float]:
-    """How busy the engines were during a rollout, from their step counters before and after: mean seconds
-    inside the engine step per engine (perf/engine_busy_time), its share of the rollout
-    (perf/engine_busy_ratio) and mean steps per engine (perf/engine_steps). Empty when an engine reports no
-    counters (external SGLang servers) or one was replaced meanwhile."""
+    """How busy the engines were during a rollout, from their step counters before and after, as means over
+    the engines: seconds inside the engine step (perf/engine_busy_time), its share of the rollout
+    (perf/engine_busy_ratio), steps (perf/engine_steps); and, where an engine counts them, the engine
+    thread's CPU seconds inside its steps (perf/engine_step_cpu_time), its process's CPU seconds, all threads
+    (perf/engine_process_cpu_time), the engine thread's seconds waiting for work with nothing to step
+    (perf/engine_idle_time) and applying commands (perf/engine_command_time), seconds blocked on the GPU (perf/engine_gpu_wait_time) and the steps'
+    span on the GPU (perf/engine_gpu_time). Empty when an engine reports no counters (external SGLang
+    servers) or one was replaced meanwhile."""
     if not before or not after or set(before) != set(after) or rollout_s <= 0:
         return {}
-    busy = [after[url]["busy_s"] - before[url]["busy_s"] for url in after]
     steps = [after[url]["steps"] - before[url]["steps"] for url in after]
-    if min(busy) < 0 or min(steps) < 0:  # a restarted engine's counters began again
-        return {}
-    mean_busy = sum(busy) / len(busy)
-    return {
+    if min(steps) < 0 or any(after[url]["busy_s"] < before[url]["busy_s"] for url in after):
+        return {}  # a restarted engine's counters began again
+
+    def mean_delta(key: str) -> float | None:
+        if not all(key in after[url] and key in before[url] for url in after):
+            return None
+        return sum(after[url][key] - before[url][key] for url in after) / len(after)
+
+    mean_busy = mean_delta("busy_s")
+    metrics = {
         "perf/engine_busy_time": mean_busy,
         "perf/engine_busy_ratio": mean_busy / rollout_s,
         "perf/engine_steps": sum(steps) / len(steps),
     }
+    names = {"cpu_s": "perf/engine_step_cpu_time", "process_cpu_s": "perf/engine_process_cpu_time",
+             "idle_s": "perf/engine_idle_time", "command_s": "perf/engine_command_time",
+             "wait_s": "perf/engine_gpu_wait_time", "gpu_s": "perf/engine_gpu_time"}  # fmt: skip
+    for key, name in names.items():
+        value = mean_delta(key)
+        if value is not None:
+            metrics[name] = value
+    return metrics

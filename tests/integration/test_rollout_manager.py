@@ -197,6 +197,16 @@ def test_rollout_batch_rewards_logprobs_weight_versions_and_metrics(model_dir, e
     assert metrics["perf/engine_busy_time"] == pytest.approx(
         metrics["perf/engine_busy_ratio"] * metrics["perf/rollout_time"], rel=1e-9
     )
+    # the engine thread computed on the CPU for part of its steps (CPU engines: the forward itself), never
+    # longer than it was inside them; its process (all threads) used at least that much; a CPU engine has
+    # no GPU counters to report
+    assert 0 < metrics["perf/engine_step_cpu_time"] <= metrics["perf/engine_busy_time"] + 0.01
+    assert metrics["perf/engine_process_cpu_time"] >= metrics["perf/engine_step_cpu_time"] - 0.01
+    assert "perf/engine_gpu_time" not in metrics and "perf/engine_gpu_wait_time" not in metrics
+    # the engine thread's time: inside its steps, idle, applying commands (adding the requests); together
+    # not more than the rollout (plus the engine's idle while the counters after it are fetched: < 0.1 s)
+    busy, idle, command = (metrics[f"perf/engine_{k}_time"] for k in ("busy", "idle", "command"))
+    assert idle >= 0 and command > 0 and busy + idle + command <= metrics["perf/rollout_time"] + 0.1
 
 
 def test_group_batch_request_gives_each_sample_its_own_request_tokens(model_dir, engines, prompt_file):

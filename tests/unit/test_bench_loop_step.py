@@ -109,3 +109,24 @@ def test_split_needs_two_gpus_and_cpu_runs_one_mode(loop_step):
     assert loop_step.split_reason("no-offload", "cuda", 1) is None
     assert loop_step.split_reason("cpu", "cpu", 0) is None
     assert "cpu mode" in loop_step.split_reason("colocate", "cpu", 0)
+
+
+def test_per_rollout_gives_the_engine_counters_per_step_and_na_where_not_logged(loop_step):
+    rows = [
+        {"step": 0, "time": 1.0, "perf/rollout_time": 2.0, "perf/engine_steps": 200.0,
+         "perf/engine_busy_time": 0.5, "perf/engine_step_cpu_time": 0.3, "perf/engine_gpu_time": 0.4,
+         "perf/engine_idle_time": 0.25, "perf/engine_command_time": 0.0125},
+        {"step": 1, "time": 2.0, "perf/rollout_time": 3.0},  # an external engine: no counters
+        {"step": 2, "time": 3.0, "perf/eval_time": 1.0},  # not a rollout
+    ]  # fmt: skip
+    first, second = loop_step.per_rollout(rows)
+    assert first["step"] == 0 and first["engine_steps"] == 200.0
+    assert first["busy_ms_per_step"] == pytest.approx(2.5)
+    assert first["cpu_ms_per_step"] == pytest.approx(1.5)
+    assert first["gpu_ms_per_step"] == pytest.approx(2.0)
+    assert first["gpu_wait_ms_per_step"] is None
+    assert second["busy_ms_per_step"] is None and second["engine_steps"] is None
+    table = loop_step.per_rollout_markdown([first, second]).splitlines()
+    assert first["idle_s"] == 0.25 and second["idle_s"] is None
+    assert table[2] == "| 0 | 2.000 | 200 | 2.50 | 1.50 | n/a | 2.00 | n/a | 0.250 | 0.013 |"
+    assert table[3] == "| 1 | 3.000 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |"

@@ -47,6 +47,18 @@ class StepHandle:
     """GPU runner: pinned fp32 host buffer receiving their logprobs."""
     event: torch.cuda.Event | None = None
     """GPU runner: recorded after the device-to-host copies into the host buffers."""
+    started: torch.cuda.Event | None = None
+    """GPU runner: recorded before the step's first kernel (with `event`, the step's span on the device)."""
+
+
+@dataclass(kw_only=True)
+class DeviceTiming:
+    """What a runner's collected steps cost on the device and in waiting for it (cumulative)."""
+
+    wait_s: float = 0.0
+    """Host seconds blocked until a launched step's results were on the host."""
+    gpu_s: float = 0.0
+    """Device seconds from each step's first queued work to its last (gaps inside a step included)."""
 
 
 class ModelRunner(Protocol):
