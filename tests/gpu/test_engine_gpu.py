@@ -169,3 +169,49 @@ def test_overlap_schedule_gives_the_plain_schedules_tokens(ckpt):
     overlapped = make_engine(ckpt, enable_overlap_schedule=True).generate(prompts, params())
     assert [r["output_ids"] for r in overlapped] == [r["output_ids"] for r in plain]
     assert [r["logprobs"] for r in overlapped] == [r["logprobs"] for r in plain]
+
+
+def test_runner_counts_the_steps_device_span_and_the_hosts_wait(ckpt):
+    # The CUDA runner's counters behind perf/engine_gpu_time and perf/engine_gpu_wait_time: every collected
+    # step adds its device span (positive, and no longer than the wall time of the whole generation) and the
+    # host's wait for it (non-negative).
+    import time
+
+    engine = make_engine(ckpt)
+    timing = engine.runner.timing
+    assert (timing.gpu_s, timing.wait_s) == (0.0, 0.0)
+    started = time.perf_counter()
+    engine.generate(PROMPTS[:4], params(max_new_tokens=32))
+    wall = time.perf_counter() - started
+    assert 0 < timing.gpu_s < wall
+    assert 0 <= timing.wait_s < wall
+
+
+def _compiled_variants(*kernels) -> int:
+    """Compiled variants of Triton JIT kernels, over devices (a JITFunction's per-device kernel cache)."""
+    return sum(len(entry[0]) for kernel in kernels for entry in kernel.device_caches.values())
+
+
+def test_new_prompt_lengths_compile_no_new_prefill_kernels(ckpt):
+    # A rollout with other prompts must not compile kernels inside the engine's step: once one prefill of
+    # each kind (with and without sampling) has run, batches of new lengths and counts reuse the variants.
+    from clawrl.engine.runner.triton_attention import _prefill_kernel
+    from clawrl.engine.runner.triton_ops import (
+        _rotary_cache_kernel,
+        _sample_merge_kernel,
+        _sample_partial_kernel,
+    )
+
+    kernels = (_prefill_kernel, _rotary_cache_kernel, _sample_partial_kernel, _sample_merge_kernel)
+    engine = make_engine(ckpt, max_running_requests=16)
+    sampled = SamplingParams(max_new_tokens=2, temperature=1.0, seed=5, ignore_eos=True)
+    engine.generate([[5, 6, 7], [8, 9]], [sampled, sampled])  # warm-up
+    engine.flush_cache()
+    before = _compiled_variants(*kernels)
+    generator = torch.Generator().manual_seed(0)
+    for num_prompts in (1, 3, 5, 7, 11, 16):
+        lengths = torch.randint(1, 40, (num_prompts,), generator=generator).tolist()
+        prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in lengths]
+        engine.generate(prompts, [sampled] * num_prompts)
+        engine.flush_cache()
+    assert _compiled_variants(*kernels) == before

@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from clawrl import fast_json
+
 DEFAULT_TIMEOUT_S = 600.0
 KEEPALIVE_EXPIRY_S = 2.0
 """Idle pooled connections are dropped after this, well before a server closes them (uvicorn's default, and
@@ -82,7 +84,7 @@ def _sse_payload(route: str, line: str) -> Any:
     data = line[len("data:") :].strip()
     if data == "[DONE]":
         return _DONE
-    payload = json.loads(data)
+    payload = fast_json.loads(data)
     if isinstance(payload, dict) and set(payload) == {"error"}:
         error = payload["error"]
         raise EngineClientError(f"{route} -> stream error: {error.get('message')}",
@@ -250,7 +252,7 @@ class EngineClient(_Routes):
             raise _transport_error(route, error, timeout) from error
         if response.is_error:
             raise _http_error(route, response)
-        return response.json()
+        return fast_json.loads(response.content)
 
     @staticmethod
     def _events(route: str, response: httpx.Response, timeout: float) -> Iterator[Any]:
@@ -351,7 +353,7 @@ class AsyncEngineClient(_Routes):
                 self._release(index)
         if response.is_error:
             raise _http_error(route, response)
-        return response.json()
+        return fast_json.loads(response.content)
 
     async def _events(
         self, route: str, response: httpx.Response, timeout: float, index: int

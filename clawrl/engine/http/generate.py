@@ -37,9 +37,10 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from clawrl import fast_json
 from clawrl.engine.async_engine import AsyncEngine
 from clawrl.engine.core.request import (
     GenerationResult,
@@ -135,11 +136,20 @@ async def read_request(request: Request, model: type[RequestModel]) -> Any:
     return parse_request(model, data)
 
 
+class FastJSONResponse(Response):
+    """A JSON response rendered with orjson (clawrl/fast_json.py; FastAPI's JSONResponse uses the standard library)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return fast_json.dumps(content)
+
+
 def respond(result: Any) -> Any:
     """A handler's result as JSON, or as a server-sent event stream."""
     if isinstance(result, AsyncIterator):
         return StreamingResponse(result, media_type="text/event-stream")
-    return JSONResponse(result)
+    return FastJSONResponse(result)
 
 
 def _normalise_stop(value: Any) -> list[str]:
@@ -456,7 +466,7 @@ def _sampling_entry(value: Any, path: str) -> GenerateSamplingParams:
 
 def sse(payload: Any) -> str:
     """One server-sent event carrying JSON (or the literal [DONE])."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    data = payload if isinstance(payload, str) else fast_json.dumps(payload).decode()
     return f"data: {data}\n\n"
 
 

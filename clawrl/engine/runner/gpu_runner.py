@@ -47,6 +47,7 @@ Its shapes: H = hidden size, Hq / Hkv = query / KV heads, D = head_dim.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 
 from clawrl.engine.core.scheduler import ScheduledBatch
 from clawrl.engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from clawrl.engine.runner.base import StepHandle, record_prompt_logprobs, record_top_logprobs
+from clawrl.engine.runner.base import DeviceTiming, StepHandle, record_prompt_logprobs, record_top_logprobs
 from clawrl.engine.runner.kv_cache import KVCache, TritonBatch, TritonPagedAttention
 from clawrl.engine.runner.sampler import (
     SamplingPlan,
@@ -207,6 +208,8 @@ class GpuModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
+        self.timing = DeviceTiming()
+        """Collected steps' device span and the host's wait for them (engine stats: /get_server_info)."""
         self.attention = TritonPagedAttention(kv_cache)
         self.fused_kernels = fused_kernels
         self.batch_invariant = batch_invariant
@@ -260,13 +263,17 @@ class GpuModelRunner:
         A sequence whose last token is PENDING_TOKEN gets the token the previous launch sampled for it,
         read on the device (the overlap schedule launches step t + 1 before step t's tokens are back)."""
         self._flip ^= 1
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         if batch.is_decode:
             seqs = batch.seqs
             logits_MV, keys_M, plan = self._decode(batch)
         else:
             seqs = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
             logits_MV, keys_M = self._prefill(batch, seqs)
-            if not seqs:
+            if not seqs:  # a prefill chunk that samples nothing: its device time is not counted
                 return StepHandle(seqs=[])
             plan = plan_sampling([s.params for s in seqs], self.vocab_size, self.device)
         if plan.host_rules:  # requests with penalties / top logprobs (the engine then skips the overlap)
@@ -285,17 +292,23 @@ class GpuModelRunner:
         host_tokens.copy_(tokens_M, non_blocking=True)
         host_logprobs.copy_(logprobs_M, non_blocking=True)
         event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
+        if started is not None:
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
-        return StepHandle(seqs=seqs, host_tokens=host_tokens, host_logprobs=host_logprobs, event=event)
+        return StepHandle(
+            seqs=seqs, host_tokens=host_tokens, host_logprobs=host_logprobs, event=event, started=started
+        )
 
     def collect(self, handle: StepHandle) -> tuple[list[Sequence], list[int], list[float]]:
         """Wait for a launched step's results: (sampling sequences, next tokens, their logprobs)."""
         if not handle.seqs:
             return [], [], []
         if handle.event is not None:
+            waited = time.perf_counter()
             handle.event.synchronize()
+            timing = self.timing
+            timing.wait_s += time.perf_counter() - waited
+            timing.gpu_s += handle.started.elapsed_time(handle.event) / 1e3
         return handle.seqs, handle.host_tokens.tolist(), handle.host_logprobs.tolist()
 
     @torch.inference_mode()
@@ -460,13 +473,27 @@ class GpuModelRunner:
         return self.model(input_ids_N, positions_N, self.attention)
 
 
+_ALIGN_INT64 = 2
+"""int64 elements in 16 bytes: where each of _to_device's tensors starts in the shared buffer."""
+
+
 def _to_device(parts: list, device: torch.device) -> list[torch.Tensor]:
-    """Int64 device tensors of several host sequences through one host-to-device copy."""
+    """Int64 device tensors of several host sequences through one host-to-device copy.
+
+    Each tensor starts 16-byte aligned in the shared buffer (each part is padded to an even length).
+    Triton specializes a kernel on whether each pointer argument is 16-byte aligned, so views at offsets
+    that follow the batch's lengths would compile a new variant of the prefill kernels (~0.1 s each, in the
+    engine's step) for every new pattern of odd lengths: rollouts with other prompts kept compiling."""
     arrays = [np.asarray(p, dtype=np.int64) for p in parts]
+    sizes = [-(-a.shape[0] // _ALIGN_INT64) * _ALIGN_INT64 for a in arrays]
+    flat = np.zeros(sum(sizes), dtype=np.int64)
+    offsets = np.cumsum([0, *sizes])
+    for array, offset in zip(arrays, offsets, strict=False):
+        flat[offset : offset + array.shape[0]] = array
     # Through pinned memory: a copy from pageable memory would wait for all queued GPU work (the previous
     # step, when overlapping).
-    flat = host_to_device(torch.from_numpy(np.concatenate(arrays)), device)
-    return list(flat.split([a.shape[0] for a in arrays]))
+    device_flat = host_to_device(torch.from_numpy(flat), device)
+    return [device_flat[offset : offset + a.shape[0]] for a, offset in zip(arrays, offsets, strict=False)]
 
 
 # ---------------------------------------------------------------------------------------------------
