@@ -91,7 +91,8 @@ class EngineStats:
     command_s: float = 0.0
     """Wall seconds applying commands: adding and aborting requests, weight updates, memory release..."""
     outputs: int = 0
-    """Step outputs produced (one per sequence and step: the tokens generated, plus scored prompts)."""
+    """Step outputs produced (a streamed request's sample: one per step; a collected one's: one when it
+    finishes, plus one before each weight-version change)."""
     device: DeviceTiming | None = None
     """The CUDA runner's: seconds blocked on the GPU (`wait_s`) and the steps' span on it (`gpu_s`)."""
 
@@ -456,7 +457,7 @@ class AsyncEngine(ControlAPI):
         self._add_to_core(rid, prompt_ids, params, collect)
 
     def _add_to_core(self, rid: str, prompt_ids: list[int], params: SamplingParams, collect: bool) -> None:
-        self.engine.add_request(rid, prompt_ids, params)
+        self.engine.add_request(rid, prompt_ids, params, quiet=collect)  # collected: reported when finished
         outputs = OutputCollector(params.n) if collect else None
         self._live[rid] = _Live(remaining=set(range(params.n)), outputs=outputs)
 

@@ -119,9 +119,15 @@ class ControlAPI:
         live = self._live.pop(rid, None)
         if live is None:
             return False
-        self.engine.abort_request(rid)
+        aborted = self.engine.abort_request(rid)
         # Delivered here rather than waiting for the core's abort outputs: those may only come with a
-        # later step, and there is none while generation is paused.
+        # later step, and there is none while generation is paused. A collected request's samples are quiet
+        # (reported when they finish): their tokens so far come with the abort's outputs, added as not
+        # finished so that the samples read as aborted (collect_results).
+        if live.outputs is not None:
+            for output in aborted:
+                if output.token_ids:
+                    live.outputs.add(output._replace(finished=False, finish_reason=None))
         indices = sorted(live.remaining)
         self._post([(rid, Aborted(indices) if live.outputs is None else Collected(live.outputs, indices))])
         return True

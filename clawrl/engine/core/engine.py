@@ -166,8 +166,15 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; its n samples are reported under `request_id` with index 0..n-1."""
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, quiet: bool = False
+    ) -> None:
+        """Queue a request; its n samples are reported under `request_id` with index 0..n-1.
+
+        quiet: the caller wants each sample's result only (a non-streaming request): step() reports a sample's
+        tokens once, when it finishes, instead of one output per step (and, if the weight version changes
+        meanwhile, the tokens of the old version just before it changes, so each output has one version).
+        The outputs concatenate to the same tokens, logprobs and versions."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         self._check_request(prompt_token_ids, params)
@@ -181,6 +188,8 @@ class Engine:
         if score_only:  # the prompt runs for its logprobs; its one sampled token is dropped (_score_output)
             params.max_new_tokens = 1
         seqs = self._make_sequences(request_id, list(prompt_token_ids), params, score_only=score_only)
+        for seq in seqs:
+            seq.quiet = quiet
         if params.max_new_tokens == 0:  # finished before it starts; reported by the next step()
             for seq in seqs:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, {"type": "length", "length": 0}
@@ -192,11 +201,15 @@ class Engine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> None:
-        """Finish every unfinished sample of the request with {"type": "abort"}; unknown ids are ignored."""
+    def abort_request(self, request_id: str) -> list[StepOutput]:
+        """Finish every unfinished sample of the request with {"type": "abort"}; unknown ids are ignored.
+        Returns the abort's outputs (a quiet sample's carry its unreported tokens); the next step() returns
+        them too."""
+        queued = len(self._pending)
         for seq in self._requests.get(request_id, []):
             if not seq.is_finished:
                 self._finish(seq, {"type": "abort"})
+        return self._pending[queued:]
 
     def has_unfinished_requests(self) -> bool:
         """True while a sequence waits or runs, or outputs are still to be returned by step()."""
@@ -264,10 +277,18 @@ class Engine:
                 )
                 if reason is not None:
                     self._finish(seq, reason, emit=False)
+            if seq.quiet:  # reported when it finishes (or each step when it reports top / prompt logprobs)
+                if seq.status is not finished and not seq.reports_logprobs:
+                    continue
+                start = seq.num_reported
+                seq.num_reported = len(ids)
+                token_ids, token_logprobs = ids[start:], seq.output_logprobs[start:]
+            else:
+                token_ids, token_logprobs = [token], [logprob]
             # A StepOutput built positionally, in its field order, by tuple.__new__: ~3x cheaper than by keywords.
             append(_new_tuple(StepOutput, (
-                seq.request_id, seq.index, [token], [logprob], seq.status is finished, seq.finish_reason, version,
-                len(seq.prompt_token_ids), seq.num_cached_tokens,
+                seq.request_id, seq.index, token_ids, token_logprobs, seq.status is finished, seq.finish_reason,
+                version, len(seq.prompt_token_ids), seq.num_cached_tokens,
                 self._take_logprobs(seq) if seq.reports_logprobs else None,
             )))  # fmt: skip
         return outputs
@@ -536,11 +557,31 @@ class Engine:
     def _finish(self, seq: Sequence, reason: dict, *, emit: bool = True) -> None:
         self.scheduler.finish(seq, reason)
         if emit:
-            self._pending.append(self._output(seq, [], []))
+            self._pending.append(self._output(seq, *self._unreported(seq)))
         seqs = self._requests.get(seq.request_id, [])
         if all(s.is_finished for s in seqs):
             self._requests.pop(seq.request_id, None)
             self._host_step_requests.discard(seq.request_id)
+
+    def _unreported(self, seq: Sequence) -> tuple[list[int], list[float]]:
+        """A quiet sequence's tokens (and logprobs) not reported yet, now marked reported; a launched step's
+        placeholder is left out (that step drops its token, or reports it when it is collected)."""
+        if not seq.quiet:
+            return [], []
+        ids, end = seq.output_token_ids, len(seq.output_token_ids)
+        if end and ids[-1] == PENDING_TOKEN:
+            end -= 1
+        start, seq.num_reported = seq.num_reported, max(seq.num_reported, end)
+        return ids[start:end], seq.output_logprobs[start:end]
+
+    def _report_quiet(self) -> None:
+        """Queue the tokens every unfinished quiet sequence has not reported yet (before the version changes)."""
+        for seqs in self._requests.values():
+            for seq in seqs:
+                if seq.quiet and not seq.is_finished:
+                    tokens, logprobs = self._unreported(seq)
+                    if tokens:
+                        self._pending.append(self._output(seq, tokens, logprobs))
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
         return StepOutput(
@@ -559,6 +600,7 @@ class Engine:
         self.scheduler.block_manager.flush()
 
     def _bump_version(self, weight_version: str | None) -> str:
+        self._report_quiet()  # their tokens so far carry the version they were generated with
         self._weights_stale = False  # a sync loads every weight before it sets the version
         if weight_version is not None:
             self.weight_version = str(weight_version)

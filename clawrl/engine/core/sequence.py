@@ -88,6 +88,11 @@ class Sequence:
     by the runner chunk by chunk; None when not asked for."""
     step_top_logprobs: list | None = None
     """The step's top (logprob, token id) pairs of the sampled position, set by the runner (top_logprobs_num)."""
+    quiet: bool = False
+    """A sample of a request that wants only its final result (a non-streaming /generate): the engine reports
+    its tokens when it finishes, and before the weight version changes, instead of one output per step."""
+    num_reported: int = 0
+    """Quiet sequences: leading output tokens already reported."""
 
     @property
     def num_tokens(self) -> int:
