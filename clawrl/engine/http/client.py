@@ -20,6 +20,7 @@ return an iterator (async iterator) of the parsed `data:` chunks, ending before 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -43,6 +44,13 @@ class EngineClientError(RuntimeError):
         self.status_code = status_code
         self.route = route
         self.message = message
+
+
+@functools.cache
+def shared_ssl_context() -> Any:
+    """One SSL context for every client of this process. httpx builds one per client otherwise, loading the
+    CA bundle each time (~20 ms): a weight sync opens a client per engine, and did so at every sync."""
+    return httpx.create_ssl_context()
 
 
 def _drop_none(body: dict[str, Any]) -> dict[str, Any]:
@@ -231,7 +239,7 @@ class EngineClient(_Routes):
     def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout,
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout, verify=shared_ssl_context(),
                                     limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))  # fmt: skip
 
     def _call(self, method: str, path: str, body: dict | None = None, *, stream: bool = False,
@@ -300,7 +308,6 @@ class AsyncEngineClient(_Routes):
         self.connections_per_pool = connections_per_pool
         self._pools: list[httpx.AsyncClient] = []
         self._in_use: list[int] = []  # calls in flight per pool
-        self._ssl_context: Any = None  # shared by the pools: building one loads the CA bundle (~20 ms)
 
     @property
     def num_pools(self) -> int:
@@ -315,10 +322,8 @@ class AsyncEngineClient(_Routes):
             # No connection limit of its own: the accounting here only spreads the load.
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.connections_per_pool,
                                   keepalive_expiry=KEEPALIVE_EXPIRY_S)  # fmt: skip
-            if self._ssl_context is None:
-                self._ssl_context = httpx.create_ssl_context()
             pool = httpx.AsyncClient(
-                base_url=self.base_url, timeout=self.timeout, limits=limits, verify=self._ssl_context
+                base_url=self.base_url, timeout=self.timeout, limits=limits, verify=shared_ssl_context()
             )
             self._pools.append(pool)
             in_use.append(0)
