@@ -32,7 +32,8 @@ from clawrl.debug.align_capture import layer_names
 from clawrl.debug.align_engine import TeacherForcedEngine, build_align_engine, generate_samples
 from clawrl.debug.align_report import AlignStats, format_report
 from clawrl.debug.align_trainer import TrainerSide
-from clawrl.engine.core.engine import Engine, check_same_shapes
+from clawrl.engine.config import check_same_shapes
+from clawrl.engine.core.engine import Engine
 from clawrl.models.config import load_model_args
 from clawrl.trainer.packing import plan_micro_batches
 

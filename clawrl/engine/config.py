@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from clawrl.models.config import ModelArgs
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -131,3 +135,27 @@ def _check_true_on_policy(config: EngineConfig) -> None:
             f"EngineConfig.true_on_policy_mode needs a CUDA device, got device={config.device!r} (on CPU "
             f"its Triton kernels run only under the interpreter, TRITON_INTERPRET=1, for tests)"
         )
+
+
+_SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "tie_word_embeddings", "qkv_bias", "qk_norm")  # fmt: skip
+
+
+def check_same_shapes(serving: ModelArgs, incoming: ModelArgs, model_path: str) -> None:
+    """Refuse a checkpoint of another architecture before any running sequence is disturbed."""
+    for name in _SHAPE_FIELDS:
+        if getattr(serving, name) != getattr(incoming, name):
+            raise ValueError(
+                f"{model_path}/config.json: {name}={getattr(incoming, name)!r}, but the served model has "
+                f"{name}={getattr(serving, name)!r}"
+            )
+
+
+def context_length_of(config: EngineConfig, max_positions: int) -> int:
+    """The engine's context length: EngineConfig.context_length, at most the model's positions."""
+    if config.context_length is not None and config.context_length > max_positions:
+        raise ValueError(
+            f"EngineConfig.context_length={config.context_length} exceeds max_position_embeddings={max_positions} "
+            f"of {config.model_path}/config.json"
+        )
+    return config.context_length or max_positions

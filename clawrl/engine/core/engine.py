@@ -29,7 +29,7 @@ import torch
 
 from clawrl.config.engine import CORE_MEMORY_TAGS
 from clawrl.cuda_memory import StableBuffer, move_parameters_into, stable_memory_available
-from clawrl.engine.config import EngineConfig
+from clawrl.engine.config import EngineConfig, check_same_shapes, context_length_of
 from clawrl.engine.core.request import (
     RequestError,
     SamplingParams,
@@ -61,7 +61,7 @@ from clawrl.models.loader import iter_safetensors, load_weights, safetensors_wei
 from clawrl.models.tp import load_sharded_model, local_args
 
 if TYPE_CHECKING:
-    from clawrl.models.config import ModelArgs
+    pass
 
 _new_tuple = tuple.__new__
 
@@ -674,27 +674,3 @@ def _make_model_runner(
         model, kv_cache, max_running_requests=config.max_running_requests, context_length=context_length,
         enable_cuda_graph=config.enable_cuda_graph, fused_kernels=config.fused_kernels,
     )  # fmt: skip
-
-
-_SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "intermediate_size", "tie_word_embeddings", "qkv_bias", "qk_norm")  # fmt: skip
-
-
-def check_same_shapes(serving: ModelArgs, incoming: ModelArgs, model_path: str) -> None:
-    """Refuse a checkpoint of another architecture before any running sequence is disturbed."""
-    for name in _SHAPE_FIELDS:
-        if getattr(serving, name) != getattr(incoming, name):
-            raise ValueError(
-                f"{model_path}/config.json: {name}={getattr(incoming, name)!r}, but the served model has "
-                f"{name}={getattr(serving, name)!r}"
-            )
-
-
-def context_length_of(config: EngineConfig, max_positions: int) -> int:
-    """The engine's context length: EngineConfig.context_length, at most the model's positions."""
-    if config.context_length is not None and config.context_length > max_positions:
-        raise ValueError(
-            f"EngineConfig.context_length={config.context_length} exceeds max_position_embeddings={max_positions} "
-            f"of {config.model_path}/config.json"
-        )
-    return config.context_length or max_positions
