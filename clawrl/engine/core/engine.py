@@ -23,7 +23,7 @@ import random
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -59,9 +59,6 @@ from clawrl.models.config import load_model_args
 from clawrl.models.hf_io import load_model
 from clawrl.models.loader import iter_safetensors, load_weights, safetensors_weight_map
 from clawrl.models.tp import load_sharded_model, local_args
-
-if TYPE_CHECKING:
-    pass
 
 _new_tuple = tuple.__new__
 
