@@ -11,6 +11,7 @@ is bound by: host time (busy < wall), a kernel family far above its bytes / band
 Run from the repository root on a GPU (about a minute):
     PYTHONPATH=. python bench/engine_decode_profile.py --shape 0.5b --batch 256
     PYTHONPATH=. python bench/engine_decode_profile.py --shape 1.5b --batch 128 --json-out /tmp/p.json
+    PYTHONPATH=. python bench/engine_decode_profile.py --shape 0.5b --batch 256 --true-on-policy   # the mode's kernels
 """
 
 from __future__ import annotations
@@ -30,8 +31,26 @@ COPY_BW = 4.19e12  # bytes/s: the H200's measured device-to-device copy rate (do
 
 FAMILIES = (
     ("attention", ("decode_kernel", "attention", "attn", "prefill_kernel")),
-    ("sampling", ("sample", "gumbel", "argmax", "softmax", "topk", "top_k", "top_p", "logprob", "hash")),
-    ("matmul", ("gemm", "gemv", "matmul", "cutlass", "sm90", "nvjet", "cublas", "xmma", "ampere", "hopper")),
+    (
+        "sampling",
+        ("sample", "gumbel", "argmax", "softmax", "topk", "top_k", "top_p", "logprob", "log_prob", "hash"),
+    ),
+    (
+        "matmul",
+        (
+            "gemm",
+            "gemv",
+            "matmul",
+            "cutlass",
+            "sm90",
+            "nvjet",
+            "cublas",
+            "xmma",
+            "ampere",
+            "hopper",
+            "linear",
+        ),
+    ),  # linear: the batch-invariant matmul of --true-on-policy
     ("norm/rope/act", ("rms", "norm", "rotary", "rope", "silu", "act_and_mul", "fused")),
     ("copy/fill", ("copy", "memcpy", "memset", "fill", "cat", "index", "gather", "scatter", "where")),
 )
@@ -78,6 +97,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=50, help="profiled engine steps (steady decode)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--workdir", default="/tmp/clawrl-bench-engine")
+    p.add_argument(
+        "--true-on-policy",
+        action="store_true",
+        help="the engine in batch-invariant mode (EngineConfig.true_on_policy_mode): its kernels' table",
+    )
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -89,7 +113,9 @@ def main() -> int:
         Path(args.workdir) / f"ckpt-{args.shape}", args.shape, init_std=0.02, device="cuda"
     )
     engine = et.make_engine(
-        ckpt, argparse.Namespace(device="cuda", mem_fraction_static=0.85), max_running=args.batch
+        ckpt,
+        argparse.Namespace(device="cuda", mem_fraction_static=0.85, true_on_policy=args.true_on_policy),
+        max_running=args.batch,
     )
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_args.vocab_size

@@ -29,3 +29,11 @@ def test_kernel_families(profile_bench):
         == "copy/fill"
     )
     assert family("something_else") == "other"
+
+
+def test_the_true_on_policy_kernels_have_their_families(profile_bench):
+    family = profile_bench.family
+    assert family("_linear_kernel") == "matmul"
+    assert family("_log_probs_kernel") == "sampling"
+    assert family("_attention_kernel") == "attention"
+    assert family("_rms_norm_kernel") == "norm/rope/act"
