@@ -31,29 +31,12 @@ COPY_BW = 4.19e12  # bytes/s: the H200's measured device-to-device copy rate (do
 
 FAMILIES = (
     ("attention", ("decode_kernel", "attention", "attn", "prefill_kernel")),
-    (
-        "sampling",
-        ("sample", "gumbel", "argmax", "softmax", "topk", "top_k", "top_p", "logprob", "log_prob", "hash"),
-    ),
-    (
-        "matmul",
-        (
-            "gemm",
-            "gemv",
-            "matmul",
-            "cutlass",
-            "sm90",
-            "nvjet",
-            "cublas",
-            "xmma",
-            "ampere",
-            "hopper",
-            "linear",
-        ),
-    ),  # linear: the batch-invariant matmul of --true-on-policy
+    ("sampling", ("sample", "gumbel", "argmax", "softmax", "topk", "top_k", "top_p", "logprob", "log_prob", "hash")),
+    # linear: the batch-invariant matmul of --true-on-policy
+    ("matmul", ("gemm", "gemv", "matmul", "cutlass", "sm90", "nvjet", "cublas", "xmma", "ampere", "hopper", "linear")),
     ("norm/rope/act", ("rms", "norm", "rotary", "rope", "silu", "act_and_mul", "fused")),
     ("copy/fill", ("copy", "memcpy", "memset", "fill", "cat", "index", "gather", "scatter", "where")),
-)
+)  # fmt: skip
 
 
 def family(name: str) -> str:

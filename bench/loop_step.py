@@ -164,10 +164,8 @@ def per_rollout(rows: list[dict]) -> list[dict]:
         for name, key in ENGINE_COUNTERS:
             value = row.get(key)
             entry[f"{name}_ms_per_step"] = value * 1e3 / steps if value is not None and steps else None
-        entry["idle_s"], entry["command_s"] = (
-            row.get("perf/engine_idle_time"),
-            row.get("perf/engine_command_time"),
-        )
+        entry["idle_s"] = row.get("perf/engine_idle_time")
+        entry["command_s"] = row.get("perf/engine_command_time")
         out.append(entry)
     return out
 
@@ -434,10 +432,10 @@ def run_shape(shape: str, args, device: str, num_gpus: int) -> dict:
         except RuntimeError as error:
             result["modes"][mode] = {"error": str(error)}
             continue
-        result["modes"][mode] = {"metrics": rows, "loop": loop_phases(rows, warmup=1),
-                                 "per_rollout": per_rollout(rows)}  # fmt: skip
+        entry = {"metrics": rows, "loop": loop_phases(rows, warmup=1), "per_rollout": per_rollout(rows)}
+        result["modes"][mode] = entry
         print(
-            f"\n{shape} {mode}, the engine per rollout:\n" + per_rollout_markdown(per_rollout(rows)),
+            f"\n{shape} {mode}, the engine per rollout:\n{per_rollout_markdown(entry['per_rollout'])}",
             flush=True,
         )
         first_run = first_run or (flags, rows)

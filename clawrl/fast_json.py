@@ -4,8 +4,8 @@ costs of that path (32 answers of 8 x 256 tokens with logprobs, measured on the 
 2026-12-04: 65 ms to encode and 69 ms to decode; orjson: 3 and 12 ms).
 
 Floats round-trip exactly (shortest representation), so the trainer compares the engine's logprobs bit for
-bit. Non-finite floats become null (standard JSON has no NaN or infinity; SGLang's server, also on orjson,
-answers the same); the engine's logprobs of sampled tokens are finite.
+bit. Non-finite floats become null (standard JSON has no NaN or infinity); the engine's logprobs of sampled
+tokens are finite.
 """
 
 from __future__ import annotations

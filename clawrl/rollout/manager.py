@@ -558,9 +558,9 @@ def engine_busy_metrics(
     (perf/engine_busy_ratio), steps (perf/engine_steps); and, where an engine counts them, the engine
     thread's CPU seconds inside its steps (perf/engine_step_cpu_time), its process's CPU seconds, all threads
     (perf/engine_process_cpu_time), the engine thread's seconds waiting for work with nothing to step
-    (perf/engine_idle_time) and applying commands (perf/engine_command_time), seconds blocked on the GPU (perf/engine_gpu_wait_time) and the steps'
-    span on the GPU (perf/engine_gpu_time). Empty when an engine reports no counters (external SGLang
-    servers) or one was replaced meanwhile."""
+    (perf/engine_idle_time) and applying commands (perf/engine_command_time), seconds blocked on the GPU
+    (perf/engine_gpu_wait_time) and the steps' span on the GPU (perf/engine_gpu_time). Empty when an engine
+    reports no counters (external SGLang servers) or one was replaced meanwhile."""
     if not before or not after or set(before) != set(after) or rollout_s <= 0:
         return {}
     steps = [after[url]["steps"] - before[url]["steps"] for url in after]

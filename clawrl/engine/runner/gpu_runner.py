@@ -487,13 +487,13 @@ def _to_device(parts: list, device: torch.device) -> list[torch.Tensor]:
     arrays = [np.asarray(p, dtype=np.int64) for p in parts]
     sizes = [-(-a.shape[0] // _ALIGN_INT64) * _ALIGN_INT64 for a in arrays]
     flat = np.zeros(sum(sizes), dtype=np.int64)
-    offsets = np.cumsum([0, *sizes])
-    for array, offset in zip(arrays, offsets, strict=False):
+    offsets = np.cumsum([0, *sizes])[:-1]
+    for array, offset in zip(arrays, offsets, strict=True):
         flat[offset : offset + array.shape[0]] = array
     # Through pinned memory: a copy from pageable memory would wait for all queued GPU work (the previous
     # step, when overlapping).
     device_flat = host_to_device(torch.from_numpy(flat), device)
-    return [device_flat[offset : offset + a.shape[0]] for a, offset in zip(arrays, offsets, strict=False)]
+    return [device_flat[offset : offset + a.shape[0]] for a, offset in zip(arrays, offsets, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------------
