@@ -7,8 +7,8 @@ computes a token in a decode batch of 1..256 rows against a paged KV cache; the 
 token inside an 8k-token packed micro-batch. Every kernel here fixes its reduction order by the shapes the
 two sides share (K, head_dim, vocab, context position) and never by the row count:
 
-    y = linear(x, weight, bias)            # x [M, K] @ weight[N, K]^T (+ bias) -> [M, N] x.dtype; one tile
-                                           # config for every M, no split-K, K summed in BLOCK_K steps from 0
+    y = linear(x, weight, bias)            # x [M, K] @ weight[N, K]^T (+ bias) -> [M, N] x.dtype; no
+                                           # split-K: K summed from 0 into one fp32 accumulator
     y = rms_norm(x, weight, eps)           # one program per row; RMSNorm's numerics (layers.py)
     lp = log_probs_of(logits, tokens, t)   # log_softmax(logits.float() / t)[token], one program per row,
                                            # online max / sum over fixed vocab chunks
@@ -21,15 +21,20 @@ are found through an index (paged: row = block_table[s, p // page] * page + p % 
 cu_seqlens[s] + p), so the arithmetic is the same whichever side calls it.
 
 Assumption of `linear` (the GPU test tests/gpu/test_true_on_policy.py checks it): an output element's value
-depends only on its row of x, its row of the weight and the fixed tile config, not on which column block it
-falls in. That is what lets the engine's packed qkv_proj / gate_up_proj give the same numbers as the
-trainer's separate q/k/v and gate/up layers. It holds for tl.dot on tensor cores, where each output element
-is its own fp32 accumulator fed in the same k order.
+depends only on its row of x and its row of the weight, not on which row or column block it falls in nor on
+the tile shape. That is what lets the engine's packed qkv_proj / gate_up_proj give the same numbers as the
+trainer's separate q/k/v and gate/up layers, and lets a decode batch of 256 rows take other tiles than the
+trainer's 8k-token micro-batch (linear_tiles; bench/batch_invariant_linear.py times the choices). It holds
+for tl.dot on tensor cores, where each output element is its own fp32 accumulator fed the same k16 slices
+in the same order whatever BLOCK_M, BLOCK_N and BLOCK_K are (measured on the H200 for every config the
+benchmark times, BLOCK_M >= 64).
 
 `enable_batch_invariant(model)` switches a native CausalLM to these kernels (its Linear layers including the
-LM head, its RMSNorms and its attention); RoPE and SiLU * up stay the eager elementwise ops (already
-invariant) and the fused training kernels are switched off, so both sides run the same code. Gradients:
-forward = the kernel, backward = plain torch (gradients need not be invariant).
+LM head, its RMSNorms and its attention), and RoPE and SiLU * up to the fused elementwise kernels of
+clawrl/models/triton_train_ops.py on every side (elementwise, so invariant; one kernel each instead of the
+eager chains' ~10 small launches per layer, which cost a decode step ~0.8 ms at 0.5B). The engine and the
+trainer both call it, so both run the same code. Gradients: forward = the kernel, backward = plain torch
+or the fused kernels' own (gradients need not be invariant).
 
 Cost: no split-K and no split-KV leave small decode batches with fewer programs than SMs, and the attention
 kernel re-reads keys per query token; logits are bf16 (the engine's) instead of the trainer's fp32.
@@ -43,7 +48,9 @@ heads, D = head_dim, S = sequences.
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -56,12 +63,53 @@ from clawrl.models.layers import RMSNorm, TrainKernelSwitch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: never inf - inf
 _LOG2E = 1.4426950408889634
-# One tile config per kernel for every call (the invariance); the interpreter gets small tiles so that the
-# CPU tests cross tile boundaries with tiny shapes.
-LINEAR_BLOCKS = (16, 32, 16) if _INTERPRETED else (64, 64, 64)  # BLOCK_M, BLOCK_N, BLOCK_K
-LINEAR_WARPS, LINEAR_STAGES = 4, 3
+# The interpreter gets small tiles so that the CPU tests cross tile boundaries with tiny shapes (one config:
+# its dot is a numpy matmul, whose order may follow the tile).
+
+
+class LinearTiles(NamedTuple):
+    """The linear kernel's launch config (bench/batch_invariant_linear.py times the alternatives)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+if _INTERPRETED:
+    LINEAR_TILES_DECODE = LINEAR_TILES_NARROW = LINEAR_TILES_LARGE = LinearTiles(16, 32, 16, 4, 3)
+else:  # the fastest configs of the 0.5B / 1.5B decode batches and of 8k-row micro-batches (CUDA graphs)
+    LINEAR_TILES_DECODE, LINEAR_TILES_LARGE = LinearTiles(64, 64, 64, 4, 4), LinearTiles(128, 256, 64, 8, 3)
+    LINEAR_TILES_NARROW = LinearTiles(64, 32, 64, 4, 4)
+LINEAR_LARGE_ROWS = 512
+"""Row counts above this take LINEAR_TILES_LARGE (prefill chunks, the trainer's micro-batches); below, a
+grid of LINEAR_TILES_DECODE smaller than the SM count (a down_proj: few columns, long K) takes the narrow
+tiles, twice the programs."""
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def linear_tiles(num_rows: int, num_cols: int, device: torch.device) -> LinearTiles:
+    """The tiles linear_forward takes for an [num_rows, K] @ [num_cols, K]^T product on `device`."""
+    if num_rows > LINEAR_LARGE_ROWS:
+        return LINEAR_TILES_LARGE
+    tiles = LINEAR_TILES_DECODE
+    if device.type == "cuda" and (
+        triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(num_cols, tiles.block_n)
+        < _sm_count(device.index or 0)
+    ):
+        return LINEAR_TILES_NARROW
+    return tiles
+
+
 LOGPROB_BLOCK_V = 512 if _INTERPRETED else 4096
 ATTENTION_BLOCK_N = 8 if _INTERPRETED else 64
+# Where the switched model's RoPE / SiLU-and-mul take the fused kernels: wherever Triton runs.
+_ELEMENTWISE_DEVICES = frozenset({"cuda", "cpu"} if _INTERPRETED else {"cuda"})
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
@@ -97,8 +145,11 @@ def _linear_kernel(
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def linear_forward(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None) -> torch.Tensor:
-    """The kernel without autograd: [M, K] @ [N, K]^T (+ bias in the fp32 accumulator) -> [M, N] x.dtype."""
+def linear_forward(
+    x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None, tiles: LinearTiles | None = None
+) -> torch.Tensor:
+    """The kernel without autograd: [M, K] @ [N, K]^T (+ bias in the fp32 accumulator) -> [M, N] x.dtype.
+    `tiles` (benchmarks, tests) overrides linear_tiles' choice by shape."""
     if x_MK.dtype != weight_NK.dtype:
         raise ValueError(f"batch-invariant linear: input {x_MK.dtype} and weight {weight_NK.dtype} differ")
     x_MK, weight_NK = x_MK.contiguous(), weight_NK.contiguous()
@@ -106,13 +157,14 @@ def linear_forward(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Te
     out = torch.empty(num_rows, num_cols, dtype=x_MK.dtype, device=x_MK.device)
     if num_rows == 0:
         return out
-    block_m, block_n, block_k = LINEAR_BLOCKS
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
+    if tiles is None:
+        tiles = linear_tiles(num_rows, num_cols, x_MK.device)
+    grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(num_cols, tiles.block_n))
     _linear_kernel[grid](
         x_MK, weight_NK, bias_N if bias_N is not None else weight_NK, out, num_rows, num_cols, k_dim,
         x_MK.stride(0), weight_NK.stride(0), out.stride(0), HAS_BIAS=bias_N is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **_dot_options(x_MK.dtype),
-        num_warps=LINEAR_WARPS, num_stages=LINEAR_STAGES,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_dot_options(x_MK.dtype),
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out
 
@@ -430,10 +482,13 @@ class PagedBatchInvariantAttention:
     def __init__(self, kv_cache) -> None:
         self.kv_cache = kv_cache
         self.batch = None
+        self.layout: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(sequence, position) of the forward's tokens: computed at layer 0, read by the others."""
 
     def begin(self, batch) -> None:
         """Set the layout of the next forward."""
         self.batch = batch
+        self.layout = None
 
     def forward(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         batch = self.batch
@@ -442,7 +497,9 @@ class PagedBatchInvariantAttention:
         k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
         k_rows.index_copy_(0, batch.slot_mapping_N, k.to(k_rows.dtype))
         v_rows.index_copy_(0, batch.slot_mapping_N, v.to(v_rows.dtype))
-        seq_T, pos_T = self._layout(q.shape[0])
+        if layer_idx == 0 or self.layout is None:  # once per forward (inside the CUDA graph when captured)
+            self.layout = self._layout(q.shape[0])
+        seq_T, pos_T = self.layout
         return attention_forward(q.contiguous(), k_rows, v_rows, seq_T, pos_T, batch.block_tables, scale,
                                  page=k_cache.shape[1])  # fmt: skip
 
@@ -489,8 +546,9 @@ def attend(backend, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
 
 def enable_batch_invariant(model: nn.Module) -> int:
     """Route a native CausalLM's Linear layers (LM head and packed ones included), RMSNorms and attention
-    through the batch-invariant kernels, and switch its fused training kernels off (RoPE and SiLU * up then
-    run the eager ops on every side). Call before FSDP wraps it. Returns the number of modules switched."""
+    through the batch-invariant kernels, and its RoPE and SiLU * up through the fused elementwise kernels
+    (on CUDA; on CPU too under the Triton interpreter). Call before FSDP wraps it. Returns the number of
+    modules switched."""
     from clawrl.models.moe import SparseMoeBlock
 
     if _INTERPRETED is False and not torch.cuda.is_available():
@@ -501,7 +559,7 @@ def enable_batch_invariant(model: nn.Module) -> int:
         if isinstance(module, SparseMoeBlock):
             raise ValueError("--true-on-policy-mode supports dense models only (Qwen2/Qwen3/Llama), not MoE")
         if isinstance(module, TrainKernelSwitch):
-            module.kernel_devices = frozenset()
+            module.kernel_devices = _ELEMENTWISE_DEVICES
         if type(module) is nn.Linear:
             module.__class__ = BatchInvariantLinear
         elif type(module) is RMSNorm:

@@ -48,15 +48,26 @@ def randn(*shape, seed=0, scale=1.0):
 
 
 def test_linear_rows_and_packed_columns_are_invariant():
-    x, w_qkv, b_qkv = randn(300, 896), randn(1152, 896, seed=1, scale=0.05), randn(1152, seed=2)
+    # 1100 rows take the large tiles, the slices below LINEAR_LARGE_ROWS the decode tiles: same bits
+    x, w_qkv, b_qkv = randn(1100, 896), randn(1152, 896, seed=1, scale=0.05), randn(1152, seed=2)
     full = bi.linear(x, w_qkv, b_qkv)
     torch.testing.assert_close(
         full.float(), x.float() @ w_qkv.float().t() + b_qkv.float(), atol=0.1, rtol=0.02
     )
-    for num_rows in (1, 3, 17, 64, 129, 256):
+    for num_rows in (1, 3, 17, 64, 129, 256, 512, 513):
         assert torch.equal(bi.linear(x[:num_rows], w_qkv, b_qkv), full[:num_rows]), num_rows
     for cols in (slice(0, 896), slice(896, 1024), slice(1024, 1152), slice(100, 1000)):
         assert torch.equal(bi.linear(x, w_qkv[cols], b_qkv[cols]), full[:, cols]), cols
+
+
+@pytest.mark.parametrize("k_dim,n_dim", [(896, 1152), (4864, 896), (8960, 1536), (1000, 300)])
+def test_linear_bits_do_not_depend_on_the_tiles(k_dim, n_dim):
+    x, w = randn(300, k_dim), randn(n_dim, k_dim, seed=1, scale=k_dim**-0.5)
+    want = bi.linear_forward(x, w, None, bi.LINEAR_TILES_DECODE)
+    others = (bi.LINEAR_TILES_LARGE, bi.LINEAR_TILES_NARROW, bi.LinearTiles(128, 64, 64, 4, 3),
+              bi.LinearTiles(64, 128, 128, 4, 3))  # fmt: skip
+    for tiles in others:
+        assert torch.equal(bi.linear_forward(x, w, None, tiles), want), tiles
 
 
 def test_rms_norm_and_log_probs_are_row_invariant():
