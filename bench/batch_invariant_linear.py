@@ -5,10 +5,10 @@ stages) and for cuBLAS (torch.nn.functional.linear), times the matmuls one decod
 micro-batch) of the model runs: qkv_proj, o_proj, gate_up_proj, down_proj per layer and the LM head, at the
 given row counts, each layer with its own weights and each chain replayed as a CUDA graph (as the engine's
 decode runs). Printed: ms of each matmul over all layers, ms of the whole forward's matmuls in layer order,
-and the ratio to cuBLAS. Each config is also checked for what --true-on-policy-mode relies on: a row's bits do not
-depend on the row count, and the packed qkv weight's columns give the bits of the separate q/k/v weights.
-Whether each config gives the bits of the first row (linear_forward's own choice) is printed too: it must, since a decode batch and a
-trainer micro-batch take different tiles (LINEAR_TILES_DECODE / LINEAR_TILES_LARGE).
+and the ratio to cuBLAS. Each config is also checked for what --true-on-policy-mode relies on: a row's bits
+do not depend on the row count, the packed qkv weight's columns give the bits of the separate q/k/v
+weights, and the config gives the bits of the first row (linear_forward's own choice by shape). The last
+must hold since a decode batch and a trainer micro-batch take different tiles (linear_tiles).
 
 Run from the repository root on a GPU (about a minute):
     PYTHONPATH=. python bench/batch_invariant_linear.py --shape 0.5b --rows 256 8192
