@@ -90,6 +90,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="0.5b", choices=("0.5b", "1.5b", "tiny"))
     p.add_argument("--rows", type=int, nargs="+", default=[256, 8192])
+    p.add_argument(
+        "--quick", action="store_true", help="cuBLAS, linear_forward's own choice and the old config only"
+    )
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -105,7 +108,7 @@ def main() -> int:
         for n, (k, nn) in mats.items()
     }  # fmt: skip
     bias = (torch.randn(mats["qkv_proj"][1], generator=gen, device="cuda") * 0.1).bfloat16()
-    configs = [bi.LinearTiles(*c) for c in CONFIGS]
+    configs = [bi.LinearTiles(*c) for c in (CONFIGS[:1] if args.quick else CONFIGS)]
     result: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(), "rows": {}}
     for rows in args.rows:
         xs = {n: torch.randn(rows, k, generator=gen, device="cuda").bfloat16() for n, (k, _) in mats.items()}

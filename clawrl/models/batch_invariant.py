@@ -474,6 +474,41 @@ def varlen_attention(
     return _VarlenAttention.apply(q, k, v, cu_seqlens.to(q.device), scale)
 
 
+@triton.jit
+def _kv_cache_write_kernel(
+    k_ptr, v_ptr, slots, k_cache, v_cache, stride_kn, stride_kh, stride_vn, stride_vh, stride_slot, stride_ch,
+    NUM_KV: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    """Grid (tokens,): copy one token's k and v [Hkv, D] to its cache slot (a negative slot writes nothing)."""
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + tok).to(tl.int64)
+    heads, dims = tl.arange(0, HKV_PAD), tl.arange(0, D_PAD)
+    # The slot test as a vector: the interpreter rejects masks built with a scalar bool.
+    ok = (heads < NUM_KV) & ((tl.full([HKV_PAD], 0, tl.int64) + slot) >= 0)
+    mask = ok[:, None] & (dims < D)[None, :]
+    cache = slot * stride_slot + heads[:, None] * stride_ch + dims[None, :]
+    k = tl.load(k_ptr + tok * stride_kn + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * stride_vn + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(k_cache + cache, k, mask=mask)
+    tl.store(v_cache + cache, v, mask=mask)
+
+
+def kv_cache_write(k, v, slot_mapping, k_cache, v_cache) -> None:
+    """k / v [N, Hkv, D] (unit last stride; strided views of a packed qkv are fine) into the paged caches
+    [blocks, block_size, Hkv, D] at `slot_mapping` [N]: one launch for both (two index_copy_ cost a decode
+    step of the 0.5B model 0.13 ms)."""
+    num_tokens, num_kv, head_dim = k.shape
+    assert k.stride(2) == v.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, (k.dtype, k_cache.dtype)
+    if num_tokens == 0:
+        return
+    _kv_cache_write_kernel[(num_tokens,)](
+        k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2), NUM_KV=num_kv, HKV_PAD=triton.next_power_of_2(num_kv),
+        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), num_warps=1,
+    )  # fmt: skip
+
+
 class PagedBatchInvariantAttention:
     """The engine's AttentionBackend in true-on-policy mode: writes the step's k/v into the paged cache, then
     runs the batch-invariant kernel over it. `begin(batch)` takes the GPU runner's TritonBatch (slot mapping,
@@ -495,8 +530,7 @@ class PagedBatchInvariantAttention:
         assert batch is not None, "PagedBatchInvariantAttention.begin() must be called before the forward"
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-        k_rows.index_copy_(0, batch.slot_mapping_N, k.to(k_rows.dtype))
-        v_rows.index_copy_(0, batch.slot_mapping_N, v.to(v_rows.dtype))
+        kv_cache_write(k.to(k_rows.dtype), v.to(v_rows.dtype), batch.slot_mapping_N, k_cache, v_cache)
         if layer_idx == 0 or self.layout is None:  # once per forward (inside the CUDA graph when captured)
             self.layout = self._layout(q.shape[0])
         seq_T, pos_T = self.layout

@@ -134,6 +134,21 @@ def test_paged_cache_gives_the_packed_result():
     assert torch.equal(decode[1], torch.zeros_like(decode[1]))  # padding row (no context)
 
 
+def test_kv_cache_write_copies_each_token_to_its_slot():
+    # k contiguous, v a strided view of a packed qkv row (the engine's); slot -1 writes nothing
+    k, qkv = randn(4, 2, 8), randn(4, 3 * 16, seed=1)
+    v = qkv[:, 32:].view(4, 2, 8)
+    k_cache, v_cache = torch.zeros(3, 4, 2, 8, device=DEVICE), torch.zeros(3, 4, 2, 8, device=DEVICE)
+    slots = torch.tensor([5, 0, -1, 11], device=DEVICE)
+    bi.kv_cache_write(k, v, slots, k_cache, v_cache)
+    k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    for tok, slot in ((0, 5), (1, 0), (3, 11)):
+        assert torch.equal(k_rows[slot], k[tok]) and torch.equal(v_rows[slot], v[tok])
+    written = {0, 5, 11}
+    untouched = [i for i in range(12) if i not in written]
+    assert not k_rows[untouched].any() and not v_rows[untouched].any()
+
+
 def test_varlen_attention_gradients_are_eager():
     lengths = [5, 6]
     q, k, v = (t.requires_grad_() for t in packed_qkv(lengths, seed=8))
