@@ -102,6 +102,21 @@ ROWS = (
     ("  reward calls (sum, overlapped)", "perf/rollout_reward_time", None, 1),
     ("  reward after last generation", "perf/rollout_reward_tail_time", None, 1),
     ("  batch building", "perf/rollout_finish_time", None, 1),
+    ("  a request: sent -> in the engine's handler (median)", "perf/rollout_request_send_time", None, 1),
+    (
+        "  a request: in the engine until its last sample finished (median)",
+        "perf/rollout_request_engine_time",
+        None,
+        1,
+    ),
+    ("  a request: finished -> answer built (median)", "perf/rollout_request_answer_time", None, 1),
+    (
+        "  a request: answer built -> back in the rollout (median)",
+        "perf/rollout_request_return_time",
+        None,
+        1,
+    ),
+    ("  last request: engine finished -> back in the rollout", "perf/rollout_last_answer_time", None, 1),
     ("engine memory release", "perf/engine_release_time", None, 0),
     ("trainer onload", "perf/trainer_onload_time", None, 0),
     ("log_probs", "perf/log_probs_time", "log_probs", 0),
@@ -425,7 +440,7 @@ def run_shape(shape: str, args, device: str, num_gpus: int) -> dict:
             print(f"\n{shape} {mode}: n/a ({reason})", flush=True)
             result["modes"][mode] = {"n/a": reason}
             continue
-        out = Path(args.out) / f"{shape}-{mode}"
+        out = Path(args.out) / f"{shape}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"  # a new run dir each time
         flags = train_flags(shape, ckpt, data, out, args.num_rollout)
         try:
             rows = run_loop(flags, mode, out)
@@ -463,7 +478,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--sync-repeats", type=int, default=3, help="standalone weight syncs after a warm-up")
     p.add_argument("--engine-mem-fraction", type=float, default=0.4, help="standalone engine (colocate's)")
     p.add_argument("--workdir", default="/tmp/clawrl-loop-step", help="checkpoints and prompt data")
-    p.add_argument("--out", default="/tmp/clawrl-loop-step/runs", help="one output dir per shape and mode")
+    p.add_argument(
+        "--out", default="/tmp/clawrl-loop-step/runs", help="a new output dir per shape, mode and run"
+    )
     p.add_argument("--json-out", default=None, help="write every number here")
     args = p.parse_args(argv)
     if args.num_rollout < 2:

@@ -440,7 +440,7 @@ class AsyncEngine(ControlAPI):
                 if not live.remaining:
                     del live_requests[rid]
                     if live.outputs is not None:
-                        events.append((rid, Collected(live.outputs, [])))
+                        events.append((rid, Collected(live.outputs, [], time.monotonic())))
         self._post(events)
 
     # --- request handlers (engine thread; the control handlers are in control.py) ---

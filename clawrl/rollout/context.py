@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clawrl.rollout.router import EngineRouter
+from clawrl.rollout.timeline import RolloutTimeline
 
 
 @dataclass(kw_only=True)
@@ -38,6 +39,9 @@ class RolloutContext:
     """Set once the rollout has what it needs; requests not yet sent should not be sent."""
     call_timeout_s: float = 3600.0
     """Deadline of `run` (a coroutine submitted from a worker thread)."""
+    timeline: RolloutTimeline | None = None
+    """A training rollout's timeline: a generate function records each /generate call there
+    (`timeline.add_engine_call(sent, back, items)`, as the default one does); None otherwise."""
 
     def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         """Run `coroutine` on the manager's loop from a worker thread and return its result."""

@@ -18,6 +18,7 @@ Seeds: a request without a seed gets `--rollout-seed + sample.index`, so a rollo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from clawrl.data.chat import encode_text
@@ -91,7 +92,11 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         return sample
     input_ids, params = request
     payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
-    apply_output(sample, await ctx.router.generate(payload, session_id=sample.session_id))
+    sent = time.monotonic()
+    output = await ctx.router.generate(payload, session_id=sample.session_id)
+    if ctx.timeline is not None:  # the answer path's stamps (clawrl/rollout/timeline.py)
+        ctx.timeline.add_engine_call(sent, time.monotonic(), [output])
+    apply_output(sample, output)
     return sample
 
 
@@ -106,6 +111,7 @@ async def generate_group(args: Any, samples: list[Sample], sampling_params: dict
         return samples
     requests = [(s, _request_of(args, s, sampling_params, ctx.tokenizer)) for s in samples]
     todo = [(s, request) for s, request in requests if request is not None]
+    sent = time.monotonic()
     if len(todo) == 1:
         payload = {"input_ids": todo[0][1][0], "sampling_params": todo[0][1][1], "return_logprob": True}
         outputs = [await ctx.router.generate(payload, session_id=todo[0][0].session_id)]
@@ -117,6 +123,8 @@ async def generate_group(args: Any, samples: list[Sample], sampling_params: dict
             raise ValueError(f"the engine answered a batch of {len(todo)} prompts with {_describe(outputs)}")
     else:
         outputs = []
+    if todo and ctx.timeline is not None:  # the answer path's stamps (clawrl/rollout/timeline.py)
+        ctx.timeline.add_engine_call(sent, time.monotonic(), outputs)
     for (sample, _), output in zip(todo, outputs, strict=True):
         apply_output(sample, output)
     return samples

@@ -308,7 +308,7 @@ class RolloutManager:
         ctx = self._context()
         partial = PartialStats()
         token = set_rollout_context(ctx)
-        timeline = self.generator.timeline = RolloutTimeline(started=started)
+        timeline = self.generator.timeline = ctx.timeline = RolloutTimeline(started=started)
         stats_before = await self.router.engine_stats()
         try:
             if self.rollout_fn is not None:

@@ -207,6 +207,12 @@ def test_rollout_batch_rewards_logprobs_weight_versions_and_metrics(model_dir, e
     # not more than the rollout (plus the engine's idle while the counters after it are fetched: < 0.1 s)
     busy, idle, command = (metrics[f"perf/engine_{k}_time"] for k in ("busy", "idle", "command"))
     assert idle >= 0 and command > 0 and busy + idle + command <= metrics["perf/rollout_time"] + 0.1
+    # the answer path of the two group calls (engines on this host: the stamps share the client's clock);
+    # the call's four parts add up to its round trip, inside the rollout's generation time
+    parts = [metrics[f"perf/rollout_request_{k}_time"] for k in ("send", "engine", "answer", "return")]
+    assert all(p >= 0 for p in parts) and parts[1] > 0
+    assert sum(parts) <= metrics["perf/rollout_generate_time"] + 1e-6
+    assert 0 < metrics["perf/rollout_last_answer_time"] <= metrics["perf/rollout_generate_time"]
 
 
 def test_group_batch_request_gives_each_sample_its_own_request_tokens(model_dir, engines, prompt_file):

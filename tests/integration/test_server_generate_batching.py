@@ -2,6 +2,8 @@
 
 - a non-streaming request is handed to the event loop once, when it is done, not once per step, and its
   response equals the last chunk of the same request streamed (text, tokens, logprobs, meta);
+- a non-streaming answer carries the answer path's stamps (received_at <= finished_at <= answered_at, on
+  the client's monotonic clock, inside the client's own send and receive times);
 - the engine thread's hand-offs reach the loop in order and in one wake-up while the loop is busy;
 - AsyncEngineClient gets more than httpx's default 100 concurrent requests to the engine at once;
 - the garbage collector's heap is frozen while the engine serves and unfrozen when it stops.
@@ -77,8 +79,26 @@ def test_non_streaming_requests_reach_the_loop_once_and_match_the_stream(server,
         streamed = last[index]
         for meta in (item["meta_info"], streamed["meta_info"]):
             meta.pop("id"), meta.pop("e2e_latency")
+        for stamp in ("received_at", "finished_at", "answered_at"):  # the non-streaming answer path's only
+            assert stamp not in streamed["meta_info"]
+            item["meta_info"].pop(stamp)
         assert item == streamed
     assert {item["meta_info"]["finish_reason"]["type"] for item in items} <= {"stop", "length"}
+
+
+def test_answers_carry_the_answer_paths_stamps_on_the_shared_clock(client):
+    params = [{"max_new_tokens": 3, "ignore_eos": True}, {"max_new_tokens": 40, "ignore_eos": True}]
+    body = {"input_ids": [[5, 6, 7], [8, 9, 10, 11]], "return_logprob": True, "sampling_params": params}
+    sent = time.monotonic()
+    items = client.generate(**body)
+    back = time.monotonic()
+    short, long = (item["meta_info"] for item in items)
+    for meta in (short, long):
+        assert sent <= meta["received_at"] <= meta["finished_at"] <= meta["answered_at"] <= back
+        assert meta["answered_at"] - meta["received_at"] == pytest.approx(meta["e2e_latency"], abs=2e-3)
+    # one batch: one handler (same arrival), one answer built when both were done; 3 tokens finish first
+    assert short["received_at"] == long["received_at"]
+    assert short["finished_at"] < long["finished_at"] <= short["answered_at"]
 
 
 def test_hand_offs_are_coalesced_while_the_loop_is_busy_and_keep_their_order(server):

@@ -42,3 +42,41 @@ def test_a_rollout_that_never_fills_has_no_ramp_or_steady_phase():
 
 def test_no_request_no_metrics():
     assert RolloutTimeline(started=0.0).metrics(ended=1.0) == {}
+
+
+def _item(received, finished, answered):
+    return {
+        "text": "",
+        "meta_info": {"received_at": received, "finished_at": finished, "answered_at": answered},
+    }
+
+
+def test_answer_path_of_the_engine_calls():
+    # Three calls (medians of three values); the last one back (at 5.0) was finished by the engine at 4.2.
+    timeline = RolloutTimeline(started=0.0)
+    timeline.add_engine_call(0.0, 2.0, [_item(0.01, 1.5, 1.52), _item(0.01, 1.8, 1.82)])  # a batch of two
+    timeline.add_engine_call(0.1, 3.0, [_item(0.13, 2.9, 2.95)])
+    timeline.add_engine_call(0.2, 5.0, [_item(0.22, 4.2, 4.21)])
+    timeline.add(0.0, 2.0)
+    m = timeline.metrics(ended=5.0)
+    # send: 0.01, 0.03, 0.02; engine: 1.8 - 0.01 (the batch's last sample), 2.77, 3.98; answer: 1.82 - 1.8
+    # (the last answer built), 0.05, 0.01; return: 0.18, 0.05, 0.79
+    assert m["perf/rollout_request_send_time"] == pytest.approx(0.02)
+    assert m["perf/rollout_request_engine_time"] == pytest.approx(2.77)
+    assert m["perf/rollout_request_answer_time"] == pytest.approx(0.02)
+    assert m["perf/rollout_request_return_time"] == pytest.approx(0.18)
+    assert m["perf/rollout_last_answer_time"] == pytest.approx(0.8)  # 4.2 -> 5.0
+
+
+def test_answer_path_is_left_out_without_stamps_or_a_shared_clock():
+    timeline = RolloutTimeline(started=0.0)
+    timeline.add_engine_call(0.0, 1.0, [{"text": "", "meta_info": {"e2e_latency": 0.9}}])  # e.g. SGLang
+    timeline.add_engine_call(0.0, 1.0, [_item(0.1, 0.5, 0.6), {"meta_info": {"received_at": 0.1}}])
+    assert timeline.engine_calls == []
+    timeline.add(0.0, 1.0)
+    assert not any(k.startswith("perf/rollout_request") for k in timeline.metrics(ended=1.0))
+    # An engine on another host: its clock reads 1000 s ahead of the client's
+    timeline.add_engine_call(0.0, 1.0, [_item(1000.1, 1000.5, 1000.6)])
+    assert len(timeline.engine_calls) == 1
+    m = timeline.metrics(ended=1.0)
+    assert "perf/rollout_request_send_time" not in m and "perf/rollout_last_answer_time" not in m

@@ -311,6 +311,8 @@ class GenerationResult:
     request that asks; the HTTP layer gives every sample of the request the same list)."""
     prompt_ids: list[int] | None = None
     """The prompt's token ids, when the HTTP layer needs them for its response (set by it)."""
+    finished_at: float | None = None
+    """time.monotonic() when the engine finished the request (non-streaming requests run to the end)."""
 
     @property
     def completion_tokens(self) -> int:
@@ -412,6 +414,9 @@ class Collected:
     """Everything the core produced for the request."""
     aborted: list[int]
     """Samples aborted before they finished (no further tokens)."""
+    finished_at: float | None = None
+    """time.monotonic() on the engine thread when the core finished the request's last sample (None when it
+    was aborted): the start of the answer path (meta_info.finished_at)."""
 
 
 def collect_results(
@@ -444,6 +449,7 @@ def collect_results(
         result.text = _text_stream(tokenizer, prompt_ids, params).push(
             result.output_ids, result.finish_reason
         )
+        result.finished_at = collected.finished_at
         results.append(result)
     return results
 

@@ -11,7 +11,10 @@ Response item (one per prompt and sample; a batch or n > 1 gives a list, prompt-
      "input_token_logprobs": [[logprob or null, token_id, text_or_null] per prompt token from
         logprob_start_len]  (logprob_start_len >= 0; the first prompt token has null),
      "input_top_logprobs": [null or [[logprob, token_id, text_or_null], ...] per prompt token]  (both),
-     "output_token_weight_versions": [str, ...]  (with return_logprob)}}
+     "output_token_weight_versions": [str, ...]  (with return_logprob),
+     "received_at", "finished_at", "answered_at"  (clawrl's, non-streaming: time.monotonic() of this host
+        when the handler got the request, the engine finished it, the answer was built; a client on the
+        same host compares them with its own monotonic clock: clawrl/rollout/timeline.py)}}
 
 Streaming follows SGLang's default (non-incremental) output: every `data:` chunk carries the item so far
 (cumulative text, output_ids and logprobs), chunks of different items are told apart by "index", and
@@ -567,6 +570,8 @@ def generate_item(
         "weight_version": result.weight_version,
         "e2e_latency": round(time.monotonic() - started, 6),
     }
+    if result.finished_at is not None:  # clawrl's answer-path stamps (non-streaming requests)
+        meta.update(received_at=started, finished_at=result.finished_at, answered_at=time.monotonic())
     if req.return_logprob:
         meta.update(_logprob_meta(result, req, tokenizer, prompt_logprobs))
         meta["output_token_weight_versions"] = list(result.weight_versions)
@@ -602,8 +607,8 @@ def _logprob_meta(
 
 async def generate(engine: AsyncEngine, req: GenerateRequest) -> dict | list[dict] | AsyncIterator[str]:
     """The whole `/generate` route: items (single dict for one prompt with n == 1) or an SSE stream."""
+    started = time.monotonic()  # e2e_latency and received_at count from here (tokenisation included)
     prompts = _prepare(engine, req)
-    started = time.monotonic()
     if req.stream:
         return _stream(engine, req, prompts, started)
     per_prompt = await asyncio.gather(*(engine.generate_full(ids, p, rid) for rid, ids, p in prompts))
