@@ -70,6 +70,12 @@ def rollout_context() -> RolloutContext:
     return ctx
 
 
+def current_timeline() -> RolloutTimeline | None:
+    """The running training rollout's timeline; None in an evaluation or outside a rollout."""
+    ctx = _CURRENT.get()
+    return None if ctx is None else ctx.timeline
+
+
 def set_rollout_context(ctx: RolloutContext | None) -> contextvars.Token:
     """Make `ctx` current for this task and the tasks it creates; returns the token to reset it."""
     return _CURRENT.set(ctx)

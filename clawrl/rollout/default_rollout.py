@@ -35,12 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clawrl.data.sample import Sample, Status
-from clawrl.rollout.context import RolloutContext
+from clawrl.rollout.context import RolloutContext, current_timeline
 from clawrl.rollout.filters import DynamicFilterOutput
 from clawrl.rollout.hooks import GenerateFunctions
 from clawrl.rollout.rewards import RewardFunction, batched_reward, compute_reward
 from clawrl.rollout.router import EngineRouterError
-from clawrl.rollout.timeline import RolloutTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +56,6 @@ class GroupGenerator:
     """The configured generate function and per-sample overrides."""
     reward_fn: RewardFunction | None
     """The reward function; None when the generate function sets rewards itself."""
-    timeline: RolloutTimeline | None = None
-    """Set by the RolloutManager while a training rollout runs: each training sample's timestamps go there."""
 
     async def sample(
         self, sample: Sample, sampling_params: dict[str, Any], evaluation: bool, *,
@@ -66,7 +63,8 @@ class GroupGenerator:
     ) -> list[Sample]:  # fmt: skip
         """Generate (one Sample, or several from a fan-out generate function), then reward what needs it.
         `generated_with` (sent, generated): the sample was already generated in a group batch at those times."""
-        timeline = None if evaluation else self.timeline
+        # a training rollout's timeline (set by the RolloutManager): each training sample's timestamps go there
+        timeline = None if evaluation else current_timeline()
         if generated_with is not None:
             samples, (sent, generated) = [sample], generated_with
         else:

@@ -308,7 +308,7 @@ class RolloutManager:
         ctx = self._context()
         partial = PartialStats()
         token = set_rollout_context(ctx)
-        timeline = self.generator.timeline = ctx.timeline = RolloutTimeline(started=started)
+        timeline = ctx.timeline = RolloutTimeline(started=started)
         stats_before = await self.router.engine_stats()
         try:
             if self.rollout_fn is not None:
@@ -325,7 +325,6 @@ class RolloutManager:
                 producer = self.generator.generate_fns.default.flag
         finally:
             reset_rollout_context(token)
-            self.generator.timeline = None
         batch, raw_rewards, groups = self._to_batch(rollout_id, groups, producer)
         self.last_samples = [s for g in groups for s in g]
         ended = time.monotonic()
