@@ -48,7 +48,6 @@ heads, D = head_dim, S = sequences.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -59,6 +58,7 @@ from torch import nn
 
 from clawrl.models.attention import VarlenAttention
 from clawrl.models.layers import RMSNorm, TrainKernelSwitch
+from clawrl.models.triton_train_ops import sm_count
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: never inf - inf
@@ -88,11 +88,6 @@ grid of LINEAR_TILES_DECODE smaller than the SM count (a down_proj: few columns,
 tiles, twice the programs."""
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def linear_tiles(num_rows: int, num_cols: int, device: torch.device) -> LinearTiles:
     """The tiles linear_forward takes for an [num_rows, K] @ [num_cols, K]^T product on `device`."""
     if num_rows > LINEAR_LARGE_ROWS:
@@ -100,7 +95,7 @@ def linear_tiles(num_rows: int, num_cols: int, device: torch.device) -> LinearTi
     tiles = LINEAR_TILES_DECODE
     if device.type == "cuda" and (
         triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(num_cols, tiles.block_n)
-        < _sm_count(device.index or 0)
+        < sm_count(device.index or 0)
     ):
         return LINEAR_TILES_NARROW
     return tiles

@@ -41,13 +41,14 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the property query is not free)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _reduction_programs(device: torch.device, num_tiles: int) -> int:
     """Programs of a kernel that also reduces over rows: a few per SM on a GPU, few under the interpreter."""
-    target = 4 * _sm_count(device.index or 0) if device.type == "cuda" else 4
+    target = 4 * sm_count(device.index or 0) if device.type == "cuda" else 4
     return max(1, min(num_tiles, target))
 
 
