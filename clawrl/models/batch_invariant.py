@@ -57,7 +57,7 @@ import triton.language as tl
 from torch import nn
 
 from clawrl.models.attention import VarlenAttention
-from clawrl.models.layers import RMSNorm, TrainKernelSwitch
+from clawrl.models.layers import RMSNorm, enable_train_kernels
 from clawrl.models.triton_train_ops import sm_count
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -587,8 +587,6 @@ def enable_batch_invariant(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
             raise ValueError("--true-on-policy-mode supports dense models only (Qwen2/Qwen3/Llama), not MoE")
-        if isinstance(module, TrainKernelSwitch):
-            module.kernel_devices = _ELEMENTWISE_DEVICES
         if type(module) is nn.Linear:
             module.__class__ = BatchInvariantLinear
         elif type(module) is RMSNorm:
@@ -598,5 +596,6 @@ def enable_batch_invariant(model: nn.Module) -> int:
         else:
             continue
         switched += 1
+    enable_train_kernels(model, _ELEMENTWISE_DEVICES)  # RoPE and SiLU * up: the fused elementwise kernels
     model.batch_invariant = True  # read by the trainer's log-prob pass (clawrl/trainer/rl_step.py)
     return switched

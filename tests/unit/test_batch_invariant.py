@@ -16,7 +16,7 @@ from clawrl.models import batch_invariant as bi
 from clawrl.models.attention import VarlenAttention
 from clawrl.models.config import ModelArgs
 from clawrl.models.decoder import CausalLM
-from clawrl.models.layers import RMSNorm
+from clawrl.models.layers import RMSNorm, TrainKernelSwitch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
@@ -175,6 +175,9 @@ def test_enable_batch_invariant_switches_the_model_and_keeps_its_numbers():
     switched = bi.enable_batch_invariant(model)
     # 1 layer: q/k/v/o + gate/up/down + lm_head = 8 linears; 2 + 2 (q/k norms) + 1 norms; 1 attention
     assert switched == 8 + 5 + 1 and model.batch_invariant
+    # RoPE and SiLU * up take the fused elementwise kernels (CPU tensors too, under the interpreter)
+    switches = [m for m in model.modules() if isinstance(m, TrainKernelSwitch)]
+    assert switches and all(m.kernel_devices == {"cuda", "cpu"} for m in switches)
     assert list(model.state_dict()) == list(reference.state_dict())
     ids = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     positions = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4])
