@@ -7,6 +7,9 @@ samples (tests/integration/loop_reward.py), so every step updates the weights. R
 (kernel compilation, allocator growth) and is left out; the other rollouts' phases are medians. Placements:
 
   colocate     --colocate: engine and trainer share the GPU and take turns (both offload)
+  colocate-late-onload
+               --colocate --disable-onload-during-rollout: the trainer onloads only after the engines released
+               their memory (by default it onloads while the rollout generates, where the GPU has room)
   no-offload   --colocate --no-offload-train --no-offload-rollout: both stay resident on the one GPU (what
                "split" can be on a single GPU: clawrl's split placement needs trainer GPUs + engine GPUs)
   split        trainer and engine on GPUs of their own (needs >= 2 GPUs; "n/a" otherwise)
@@ -86,6 +89,7 @@ WORKLOADS = {
 }
 MODES = {
     "colocate": ["--colocate"],
+    "colocate-late-onload": ["--colocate", "--disable-onload-during-rollout"],
     "no-offload": ["--colocate", "--no-offload-train", "--no-offload-rollout"],
     "split": ["--rollout-num-gpus", "1"],
     "cpu": [],
@@ -124,6 +128,9 @@ ROWS = (
     ("actor_train", "perf/actor_train_time", "actor_train", 0),
     ("trainer offload", "perf/trainer_offload_time", None, 0),
     ("train call, other (Ray, advantages)", "train_other", None, 0),
+    ("  advantages", "perf/advantages_time", None, 1),
+    ("  in the trainer, other (batching, metrics)", "trainer_other", None, 1),
+    ("  Ray call (batch there, metrics back)", "ray_train_call", None, 1),
     ("weight sync", "perf/update_weights_time", "weight_sync", 0),
     ("  buckets (onload, gather, cast)", "perf/update_weights_gather_time", None, 1),
     ("trainer weights offload (after the sync)", "perf/trainer_weights_offload_time", None, 0),
@@ -132,6 +139,8 @@ ROWS = (
 )
 TRAIN_PARTS = ("perf/engine_release_time", "perf/trainer_onload_time", "perf/log_probs_time",
                "perf/ref_log_probs_time", "perf/actor_train_time", "perf/trainer_offload_time")  # fmt: skip
+TRAINER_PARTS = ("perf/log_probs_time", "perf/ref_log_probs_time", "perf/advantages_time",
+                 "perf/actor_train_time")  # fmt: skip
 STEP_PARTS = ("perf/rollout_time", "perf/train_time", "perf/update_weights_time", "perf/engine_resume_time",
               "perf/trainer_weights_offload_time", "perf/check_weight_update_time", "perf/eval_time")  # fmt: skip
 
@@ -156,6 +165,13 @@ def loop_phases(rows: list[dict], warmup: int = 1) -> dict[str, float]:
             values.get(k, 0.0) for k in TRAIN_PARTS
         )
         values["step_other"] = values["step"] - sum(values.get(k, 0.0) for k in STEP_PARTS)
+        if "perf/train_actor_time" in values:  # the trainer's own time of the call, rank 0
+            values["trainer_other"] = values["perf/train_actor_time"] - sum(
+                values.get(k, 0.0) for k in TRAINER_PARTS
+            )
+            values["ray_train_call"] = (
+                values["train_other"] - values["trainer_other"] - values.get("perf/advantages_time", 0.0)
+            )
         per_step.append(values)
     keys = set().union(*per_step)
     return {k: statistics.median(v[k] for v in per_step if k in v) for k in sorted(keys)}

@@ -89,6 +89,9 @@ class TrainWorker:
     def onload(self) -> None:
         self.actor.onload()
 
+    def onload_if_room(self, headroom_fraction: float) -> bool:
+        return self.actor.onload_if_room(headroom_fraction)
+
     def offload(self, keep_weights: bool = False) -> int:
         return self.actor.offload(keep_weights=keep_weights)
 
@@ -224,6 +227,24 @@ class TrainGroup:
     def onload(self) -> None:
         """Weights and optimizer state back on the GPU (colocated runs, before a train step)."""
         self._on_every_rank(lambda w: w.onload.remote(), "onload")
+
+    def start_onload_if_room(self, headroom_fraction: float) -> list[ObjectRef]:
+        """Every rank onloads now if its GPU has room beside the engines (TrainActor.onload_if_room), without
+        waiting: `finish_onload` the returned refs before training."""
+        return [w.onload_if_room.remote(headroom_fraction) for w in self.workers]
+
+    def finish_onload(self, started: list[ObjectRef] | None) -> bool:
+        """Wait for `start_onload_if_room`'s calls (None: none were started), then onload the ranks that had
+        no room then. Returns whether every rank was onloaded early."""
+        early = started is not None and all(self._wait(started, "onload", self.job.fault.train_timeout))
+        if not early:
+            self.onload()  # a no-op on the ranks already onloaded
+        return early
+
+    def undo_onload(self, started: list[ObjectRef]) -> None:
+        """Wait for `start_onload_if_room`'s calls, then offload everything again."""
+        self._wait(started, "onload", self.job.fault.train_timeout)
+        self.offload()
 
     def offload(self, *, keep_weights: bool = False) -> None:
         """Weights and optimizer state to host memory (colocated runs, so the engines get the GPU);

@@ -39,6 +39,8 @@ class ResourcesConfig:
     """Move the trainer's weights and optimizer state off the GPU while the engines generate."""
     offload_rollout: bool | None = None
     """Release the engines' GPU memory (weights, KV cache) while the trainer trains."""
+    disable_onload_during_rollout: bool = False
+    """With --colocate --offload-train: bring the trainer's state back only after the engines released their memory, not while a rollout generates (the default when the GPU has room for both, 5% of it kept free)."""
     ray_address: str | None = option(metavar="ADDRESS")
     """Ray cluster to join; unset: start Ray on this machine."""
     multi_node: bool | None = None

@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+EARLY_ONLOAD_HEADROOM = 0.05
+"""Share of the GPU's memory the trainer leaves free when it onloads beside generating engines (their
+allocations outside the KV cache, e.g. a long prefill's activations)."""
+
 
 @dataclass(kw_only=True)
 class Run:
@@ -84,6 +88,8 @@ class Run:
     """Engine restarts already counted in an earlier metrics row."""
     _trainer_weights_resident: bool = False
     """Colocated: train() offloaded all but the weights, which the next sync reads and then offloads."""
+    _early_onload: list | None = None
+    """Colocated: the trainer ranks' onload calls started with the rollout (`_start_early_onload`)."""
     _clock: StartupClock | None = None
     """Prints the start-up phases until the first weight sync ends them (then None)."""
     _manager_began: float = 0.0
@@ -236,7 +242,24 @@ class Run:
         if self.monitor is not None:
             self.monitor.resume()
         self._arm_fault(rollout_id)
-        return self.manager.generate.remote(rollout_id)
+        ref = self.manager.generate.remote(rollout_id)
+        self._start_early_onload()
+        return ref
+
+    def _start_early_onload(self) -> None:
+        """Colocated with --offload-train: the trainer brings its state back to the GPU while the engines
+        generate, where the GPU has room for both (the engines size their KV cache to leave the trainer
+        1 - --sglang-mem-fraction-static of it), so the copies are off the step's critical path."""
+        res = self.job.resources
+        if (self.trainer is None or self.plan.mode != "colocate" or not res.offload_train
+                or res.disable_onload_during_rollout or self._early_onload is not None):  # fmt: skip
+            return
+        if not self._trainer_lock.acquire(blocking=False):
+            return  # an engine is being replaced: it sizes its KV cache from the free memory right now
+        try:
+            self._early_onload = self.trainer.start_onload_if_room(EARLY_ONLOAD_HEADROOM)
+        finally:
+            self._trainer_lock.release()
 
     def wait_rollout(self, ref, rollout_id: int):
         """(batch, metrics) of a started rollout, within --rollout-timeout. A failed engine recovery ends the
@@ -279,7 +302,11 @@ class Run:
         with --check-weight-update-equal), then route to it. In-flight requests were re-sent meanwhile."""
         f, timings = self.job.fault, {}
         old = self.pool.urls[index]
-        new, timings["restart"] = timed(self.pool.restart, index, f.engine_start_timeout)
+        with self._trainer_lock:  # the new engine sizes its KV cache from the free memory: the trainer's out
+            if self._early_onload is not None:
+                started, self._early_onload = self._early_onload, None
+                self.trainer.undo_onload(started)
+            new, timings["restart"] = timed(self.pool.restart, index, f.engine_start_timeout)
         if self.trainer is not None:
             timings["resync"] = timed(self._resync, new)[1]
         self._wait([self.manager.replace_engine.remote(old, new)], "routing to the new engine", 60)
@@ -313,7 +340,9 @@ class Run:
                 self.engine_urls, MEMORY_TAGS, timeout_s=self.job.fault.update_weights_timeout))[1]  # fmt: skip
         with self._trainer_lock:
             if colocated and res.offload_train:
-                moves["perf/trainer_onload_time"] = timed(self.trainer.onload)[1]
+                started, self._early_onload = self._early_onload, None
+                early, moves["perf/trainer_onload_time"] = timed(self.trainer.finish_onload, started)
+                moves["perf/trainer_onload_early"] = float(early)
             metrics = self.trainer.train(batch)
             if colocated and res.offload_train:
                 # The weights stay for the sync that follows (sync_weights offloads them after it): it reads

@@ -52,7 +52,7 @@ from clawrl.trainer.distributed import all_reduce_sum, free_port, init_distribut
 from clawrl.trainer.fsdp import build_mesh
 from clawrl.trainer.lora_state import lora_meta, lora_reference, lora_spec_of
 from clawrl.trainer.loss import LossFunction
-from clawrl.trainer.offload import HostOffload
+from clawrl.trainer.offload import HostOffload, device_memory
 from clawrl.trainer.optim import LRSchedule, build_adamw, clip_grad_norm
 from clawrl.trainer.rl_step import (
     compute_advantages,
@@ -199,6 +199,7 @@ class TrainActor:
                 "TrainActor.train() called while the trainer is offloaded: call onload() first"
             )
         watch = Timers(cuda_sync=self.device.type == "cuda")  # GPU work charged to the phase that queued it
+        watch.start("train_actor")  # the whole call inside this process (the driver's Ray call is longer)
         steps = self._plan(batch)
         my_ids = [i for s in steps for i in (s.sample_ids[j] for j in s.plan.samples_of(self.rank))]
         algo = self.job.algo
@@ -209,9 +210,10 @@ class TrainActor:
         if self.critic is not None:
             with watch("values"):
                 values = self.critic.values(batch, steps, self.rank)
-        advantages, returns = compute_advantages(
-            batch, my_ids, algo, old_log_probs, ref_log_probs, self.device, values=values
-        )
+        with watch("advantages"):
+            advantages, returns = compute_advantages(
+                batch, my_ids, algo, old_log_probs, ref_log_probs, self.device, values=values
+            )
         per_token = {"old_log_probs": old_log_probs, "advantages": advantages}
         if ref_log_probs is not None:
             per_token["ref_log_probs"] = ref_log_probs
@@ -243,6 +245,7 @@ class TrainActor:
                 advantages=advantages,
                 returns=returns,
             )
+        watch.stop("train_actor")
         times = watch.totals()
         metrics.update({f"perf/{k}_time": v for k, v in times.items()})
         num_tokens = sum(batch.total_lengths)
@@ -455,6 +458,27 @@ class TrainActor:
         self.wrapped.restore()  # the fast path's compute copies, rebuilt from the onloaded master
         if self.critic is not None:
             self.critic.wrapped.restore()
+
+    def onload_if_room(self, headroom_fraction: float) -> bool:
+        """`onload()` now if the device has room for it beside what else holds memory there (a colocated
+        engine that is still generating) with `headroom_fraction` of the device's memory left free; else
+        leave everything where it is. Returns whether the trainer is onloaded afterwards. The colocated loop
+        calls it as a rollout starts, so the copies run while the engine generates instead of after it
+        released its memory. Off CUDA (no device memory to run out of) it always onloads."""
+        if not self.is_offloaded:
+            return True
+        memory = device_memory(self.device)
+        if memory is not None:
+            free, total = memory
+            if free < self.onload_nbytes() + headroom_fraction * total:
+                return False
+        self.onload()
+        return True
+
+    def onload_nbytes(self) -> int:
+        """Device bytes `onload()` would allocate: the offloaded storages and the compute copies it rebuilds."""
+        wrapped = [self.wrapped] + ([self.critic.wrapped] if self.critic is not None else [])
+        return sum(h.offloaded_nbytes for h in self._host.values()) + sum(w.restore_nbytes() for w in wrapped)
 
     @property
     def is_offloaded(self) -> bool:

@@ -76,6 +76,10 @@ class FsdpModel:
     def restore(self) -> None:
         """Nothing (see `release`)."""
 
+    def restore_nbytes(self) -> int:
+        """Device bytes `restore` allocates: none."""
+        return 0
+
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Wrap every decoder block's forward in non-reentrant activation checkpointing, names unchanged."""

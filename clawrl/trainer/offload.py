@@ -28,6 +28,11 @@ class HostOffload:
         self._host: list[torch.Tensor | None] = []
         self.is_offloaded = False
 
+    @property
+    def offloaded_nbytes(self) -> int:
+        """Bytes an `onload()` would allocate on the device (0 when nothing is offloaded)."""
+        return sum(h.numel() for h in self._host) if self.is_offloaded else 0
+
     def offload(self, tensors: Iterable[torch.Tensor]) -> int:
         """Copy the storages of `tensors` to host and free them on their device; returns the bytes moved."""
         return self._offload(_unique_storages(tensors))
@@ -71,6 +76,14 @@ class HostOffload:
         # double the host memory of the state they copied.
         self._host = [h if h.is_pinned() else None for h in self._host]
         self.is_offloaded = False
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of `device` as its driver counts them (every process's allocations); None off CUDA,
+    where host memory is not accounted for here."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)
 
 
 def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:

@@ -184,6 +184,12 @@ class SingleRankModel:
         self._released = False
         self.after_load()
 
+    def restore_nbytes(self) -> int:
+        """Device bytes `restore` allocates (the compute copies; 0 when they were not released)."""
+        if not self._released:
+            return 0
+        return sum(t.numel() * t.element_size() for t in [self._compute_flat, *(c for _, c in self._frozen)])
+
     def release_grads(self) -> None:
         """Free the gradient buffers only (the compute copies stay: a weight sync may still read them)."""
         self._drop_grads()

@@ -110,3 +110,33 @@ def test_activation_checkpointing_is_bitwise_neutral(policy):
     (plain, plain_weights), (recomputed, recomputed_weights) = results
     assert recomputed == plain
     assert all(torch.equal(recomputed_weights[n], w) for n, w in plain_weights.items())
+
+
+def test_onload_if_room_onloads_only_when_the_device_has_room(policy, monkeypatch):
+    # The colocated loop onloads while the engines generate, if the GPU has room for the state beside them.
+    # The room is the driver's count of free memory (a GPU's; on CPU there is none to run out of), so here
+    # the count is set: too little keeps every storage offloaded, enough onloads bit for bit.
+    import clawrl.trainer.actor as actor_module
+
+    with running_actor(make_job(policy, train=dict(lr=1e-3))) as actor:
+        actor.train(make_batch(0))
+        weights, state = full_weights(actor), _optimizer_state(actor)
+        assert actor.onload_nbytes() == 0 and actor.onload_if_room(0.05)  # not offloaded: nothing to do
+        moved = actor.offload()
+        assert actor.onload_nbytes() >= moved  # the offloaded bytes, plus any compute copies rebuilt
+        need, total = actor.onload_nbytes(), 100 * actor.onload_nbytes()
+        seen = []
+
+        def memory(free):
+            return lambda device: seen.append(device) or (free, total)
+
+        monkeypatch.setattr(actor_module, "device_memory", memory(need + 5 * need - 1))  # 5%: 5 * need
+        assert not actor.onload_if_room(0.05) and actor.is_offloaded and set(_storage_bytes(actor)) == {0}
+        assert seen == [actor.device]
+        monkeypatch.setattr(actor_module, "device_memory", memory(need + 5 * need))
+        assert actor.onload_if_room(0.05) and not actor.is_offloaded
+        assert all(torch.equal(w, weights[n]) for n, w in full_weights(actor).items())
+        assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(actor), state, strict=True))
+        monkeypatch.undo()
+        actor.offload()
+        assert actor.onload_if_room(0.05) and not actor.is_offloaded  # CPU: no device memory count

@@ -130,3 +130,14 @@ def test_per_rollout_gives_the_engine_counters_per_step_and_na_where_not_logged(
     assert first["idle_s"] == 0.25 and second["idle_s"] is None
     assert table[2] == "| 0 | 2.000 | 200 | 2.50 | 1.50 | n/a | 2.00 | n/a | 0.250 | 0.013 |"
     assert table[3] == "| 1 | 3.000 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |"
+
+
+def test_the_train_calls_other_time_splits_into_the_trainers_and_the_ray_calls(loop_step):
+    # train other = 3.0 - 2.5 = 0.5; in the trainer 2.15 s of which log/ref/advantages/train are 2.0 s:
+    # 0.15 s other there, 0.1 s advantages, so the Ray call itself is 0.5 - 0.15 - 0.1 = 0.25 s.
+    row = {**ROWS[1], "perf/advantages_time": 0.1, "perf/train_actor_time": 2.15}
+    phases = loop_step.loop_phases([ROWS[0], row], warmup=1)
+    assert phases["train_other"] == pytest.approx(0.5)
+    assert phases["trainer_other"] == pytest.approx(0.15)
+    assert phases["ray_train_call"] == pytest.approx(0.25)
+    assert "trainer_other" not in loop_step.loop_phases(ROWS, warmup=1)  # older runs: not split

@@ -46,6 +46,7 @@ FROZEN_FLAGS = [
     "--debug-rollout-only",
     "--debug-train-only",
     "--disable-grpo-std-normalization",
+    "--disable-onload-during-rollout",
     "--disable-rewards-normalization",
     "--dump-details",
     "--dynamic-sampling-filter-path",
