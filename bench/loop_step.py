@@ -6,10 +6,12 @@ builder) with the demo's arithmetic prompts (bench/gpu_smoke.py's data) and a re
 samples (tests/integration/loop_reward.py), so every step updates the weights. Rollout 0 is a warm-up
 (kernel compilation, allocator growth) and is left out; the other rollouts' phases are medians. Placements:
 
-  colocate     --colocate: engine and trainer share the GPU and take turns (both offload)
+  colocate     --colocate: engine and trainer share the GPU and take turns; the engine releases its memory
+               for each train step; the trainer's state comes back while the first rollout generates and
+               then stays, where the GPU has room for it beside the engine (else it offloads every step)
   colocate-late-onload
-               --colocate --disable-onload-during-rollout: the trainer onloads only after the engines released
-               their memory (by default it onloads while the rollout generates, where the GPU has room)
+               --colocate --disable-onload-during-rollout: the trainer offloads after every step and onloads
+               only after the engine released its memory
   no-offload   --colocate --no-offload-train --no-offload-rollout: both stay resident on the one GPU (what
                "split" can be on a single GPU: clawrl's split placement needs trainer GPUs + engine GPUs)
   split        trainer and engine on GPUs of their own (needs >= 2 GPUs; "n/a" otherwise)

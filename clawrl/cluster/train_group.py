@@ -92,6 +92,9 @@ class TrainWorker:
     def onload_if_room(self, headroom_fraction: float) -> bool:
         return self.actor.onload_if_room(headroom_fraction)
 
+    def release_step_memory(self) -> None:
+        self.actor.release_step_memory()
+
     def offload(self, keep_weights: bool = False) -> int:
         return self.actor.offload(keep_weights=keep_weights)
 
@@ -240,6 +243,11 @@ class TrainGroup:
         if not early:
             self.onload()  # a no-op on the ranks already onloaded
         return early
+
+    def release_step_memory(self) -> None:
+        """Every rank frees its gradients and cached blocks, keeping its state on the GPU (colocated, after a
+        step whose state fitted beside the engines)."""
+        self._on_every_rank(lambda w: w.release_step_memory.remote(), "release_step_memory")
 
     def undo_onload(self, started: list[ObjectRef]) -> None:
         """Wait for `start_onload_if_room`'s calls, then offload everything again."""

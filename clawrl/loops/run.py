@@ -249,7 +249,8 @@ class Run:
     def _start_early_onload(self) -> None:
         """Colocated with --offload-train: the trainer brings its state back to the GPU while the engines
         generate, where the GPU has room for both (the engines size their KV cache to leave the trainer
-        1 - --sglang-mem-fraction-static of it), so the copies are off the step's critical path."""
+        1 - --sglang-mem-fraction-static of it), so the copies are off the step's critical path. A trainer
+        that had that room keeps its state on the GPU after the step (`train`): this is then a no-op."""
         res = self.job.resources
         if (self.trainer is None or self.plan.mode != "colocate" or not res.offload_train
                 or res.disable_onload_during_rollout or self._early_onload is not None):  # fmt: skip
@@ -344,7 +345,11 @@ class Run:
                 early, moves["perf/trainer_onload_time"] = timed(self.trainer.finish_onload, started)
                 moves["perf/trainer_onload_early"] = float(early)
             metrics = self.trainer.train(batch)
-            if colocated and res.offload_train:
+            if colocated and res.offload_train and early:
+                # Its state fitted beside the generating engines, and the engines get back what they
+                # released: it stays for the sync and the next rollout, only the step's memory goes.
+                moves["perf/trainer_offload_time"] = timed(self.trainer.release_step_memory)[1]
+            elif colocated and res.offload_train:
                 # The weights stay for the sync that follows (sync_weights offloads them after it): it reads
                 # them on the device instead of copying them back from the host for it.
                 moves["perf/trainer_offload_time"] = timed(lambda: self.trainer.offload(keep_weights=True))[1]

@@ -459,6 +459,18 @@ class TrainActor:
         if self.critic is not None:
             self.critic.wrapped.restore()
 
+    def release_step_memory(self) -> None:
+        """Free what a train step left on the device beside the state: gradients and the allocator's cached
+        blocks (activations), so colocated engines can take back the memory they released. The state (weights,
+        optimizer, reference) stays; `offload()` is what moves it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.wrapped.release_grads()
+        if self.critic is not None:
+            self.critic.optimizer.zero_grad(set_to_none=True)
+            self.critic.wrapped.release_grads()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def onload_if_room(self, headroom_fraction: float) -> bool:
         """`onload()` now if the device has room for it beside what else holds memory there (a colocated
         engine that is still generating) with `headroom_fraction` of the device's memory left free; else

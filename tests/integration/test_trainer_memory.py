@@ -140,3 +140,22 @@ def test_onload_if_room_onloads_only_when_the_device_has_room(policy, monkeypatc
         monkeypatch.undo()
         actor.offload()
         assert actor.onload_if_room(0.05) and not actor.is_offloaded  # CPU: no device memory count
+
+
+def test_release_step_memory_drops_the_gradients_and_keeps_the_state(policy):
+    # What a colocated trainer that stays on the GPU frees after a step: the gradients (the next step starts
+    # from zero anyway); weights and optimizer state stay bit for bit, and the next step trains as without it.
+    runs = []
+    for release in (True, False):
+        with running_actor(make_job(policy, train=dict(lr=1e-3))) as actor:
+            actor.train(make_batch(0))
+            weights, state = full_weights(actor), _optimizer_state(actor)
+            if release:
+                assert any(p.grad is not None for p in actor.master.parameters())
+                actor.release_step_memory()
+                assert all(p.grad is None for p in [*actor.master.parameters(), *actor.model.parameters()])
+                assert all(torch.equal(w, weights[n]) for n, w in full_weights(actor).items())
+                assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(actor), state, strict=True))
+            runs.append((_train_metrics(actor.train(make_batch(1))), full_weights(actor)))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(w, runs[1][1][n]) for n, w in runs[0][1].items())

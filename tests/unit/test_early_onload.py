@@ -1,7 +1,8 @@
 """The colocated loop's early onload (clawrl/loops/run.py): with --colocate --offload-train the trainer is
 asked to onload as a rollout starts (it does where the GPU has room beside the engines), the train step waits
-for that instead of onloading after the engines released their memory, and an engine replaced during the
-rollout sizes its KV cache with the trainer offloaded again.
+for that instead of onloading after the engines released their memory, a trainer that had the room keeps its
+state on the GPU after the step, and an engine replaced during the rollout sizes its KV cache with the
+trainer offloaded again.
 
 Colocation needs a GPU, so the trainer group and the rollout manager here are stand-ins that record the
 driver's calls; TrainActor.onload_if_room itself runs for real in tests/integration/test_trainer_memory.py.
@@ -43,6 +44,9 @@ class _Trainer:
 
     def offload(self, *, keep_weights=False):
         self.calls.append(("offload", keep_weights))
+
+    def release_step_memory(self):
+        self.calls.append(("release_step_memory",))
 
 
 class _Remote:
@@ -89,10 +93,14 @@ def test_the_rollout_starts_the_onload_and_the_train_step_waits_for_it(room):
     assert run.generate_async(3) == "generate-ref"
     assert trainer.calls == [("generate", 3), ("start_onload_if_room", EARLY_ONLOAD_HEADROOM)]
     metrics = run.train("batch")
-    assert trainer.calls[2:] == [("finish_onload", ["onload-refs"]), ("train", "batch"), ("offload", True)]
+    # With room the state stays on the GPU after the step (only its gradients and cached blocks go), and the
+    # sync does not offload the weights; without, everything but the weights leaves, then the weights.
+    after = ("release_step_memory",) if room else ("offload", True)
+    assert trainer.calls[2:] == [("finish_onload", ["onload-refs"]), ("train", "batch"), after]
     assert metrics["perf/trainer_onload_early"] == float(room)
     assert metrics["perf/trainer_onload_time"] >= 0.0 and metrics["perf/log_probs_time"] == 0.1
     assert run._early_onload is None  # used once: the next step starts its own
+    assert run._trainer_weights_resident is not room
 
 
 def test_disabled_the_train_step_onloads_after_the_rollout():
