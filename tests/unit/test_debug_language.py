@@ -11,6 +11,7 @@ import pytest
 from clawrl.data.sample import Sample, Status
 from clawrl.debug.language import (
     TextThresholds,
+    count_bad_chars,
     is_bad_char,
     ngram_repetition,
     periodic_tail_ratio,
@@ -134,3 +135,22 @@ def test_rollout_metrics_carry_the_text_metrics():
     assert metrics["rollout/text/empty_ratio"] == 0.5
     assert metrics["rollout/text/bad_char_ratio"] == 0.125
     assert metrics["rollout/text/repetition"] == 0.0
+
+
+def test_count_bad_chars_is_the_per_character_count():
+    # The fast path (str.isprintable on the text) must agree with is_bad_char on every kind of code point:
+    # controls, format characters, non-ASCII spaces, line separators, surrogates, private use, unassigned.
+    rng = random.Random(7)
+    kinds = ["\x00", "\x1b", "\x7f", "\u200d", "\u00a0", "\u2028", "\ud800", "\ue000", "\U000e0080", "\ufffd",
+             "\n", "\t", "\r", " ", "a", "é", "中", "😀", "\u0378"]  # fmt: skip
+    texts = [*HEALTHY, "", "\ufffd\ufffd ok", "a\u2028b\u00a0c", "x\u200dy"]
+    texts += ["".join(rng.choice(kinds) for _ in range(rng.randrange(1, 40))) for _ in range(300)]
+    texts += ["".join(chr(rng.randrange(0, 0x30000)) for _ in range(200)) for _ in range(50)]
+    for text in texts:
+        assert count_bad_chars(text) == sum(is_bad_char(c) for c in text), repr(text)
+
+
+def test_ngram_repetition_counts_every_window():
+    assert ngram_repetition("a b a b a b", n=3) == pytest.approx(0.5)
+    assert ngram_repetition("a b c d", n=4) == 0.0  # one 4-gram: fewer than two
+    assert ngram_repetition("a a a a a", n=4) == pytest.approx(0.5)  # (a a a a) twice: 1 - 1/2
