@@ -131,11 +131,25 @@ def compute_advantages(batch, my_ids, algo, log_probs, ref_log_probs, device, va
 
 
 def per_sample_mean(values: dict[int, torch.Tensor], batch: TrainBatch, device) -> float:
-    """Mean over ALL samples (all ranks) of each sample's masked mean: slime's per-rollout-mean metric."""
+    """Mean over ALL samples (all ranks) of each sample's masked mean: slime's per-rollout-mean metric.
+
+    A fixed number of operations whatever the sample count (a rollout has hundreds; one small kernel and an
+    upload per sample took tens of ms per metric on a GPU), and deterministic: each sample's terms are summed
+    as one row of a zero-padded [samples, longest] matrix, not by atomics or a scan."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for i, v in values.items():
-        mask = torch.tensor(batch.loss_masks[i], dtype=torch.float64, device=v.device)
-        total[0] += (v.double() * mask).sum() / mask.sum().clamp(min=1.0)
-        total[1] += 1
+    ids = list(values)
+    if ids:
+        lengths = torch.tensor([values[i].numel() for i in ids])
+        rows = torch.repeat_interleave(torch.arange(len(ids)), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        place = rows * int(lengths.max()) + torch.arange(int(lengths.sum())) - starts[rows]
+        flat = torch.cat([values[i] for i in ids]).to(device=device, dtype=torch.float64)
+        masks = [batch.loss_masks[i] for i in ids]
+        mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.float64, device=device)
+        padded = torch.zeros(len(ids) * int(lengths.max()), dtype=torch.float64, device=device)
+        padded[place.to(device)] = flat * mask
+        counts = torch.tensor([max(sum(ms), 1) for ms in masks], dtype=torch.float64, device=device)
+        total[0] = (padded.view(len(ids), -1).sum(dim=1) / counts).sum()
+        total[1] = len(ids)
     all_reduce_sum(total)
     return float(total[0] / total[1].clamp(min=1.0))
