@@ -92,8 +92,8 @@ class TrainWorker:
     def onload_if_room(self, headroom_fraction: float) -> bool:
         return self.actor.onload_if_room(headroom_fraction)
 
-    def release_step_memory(self) -> None:
-        self.actor.release_step_memory()
+    def offload_after_step(self) -> bool:
+        return self.actor.offload_after_step()
 
     def offload(self, keep_weights: bool = False) -> int:
         return self.actor.offload(keep_weights=keep_weights)
@@ -244,10 +244,15 @@ class TrainGroup:
             self.onload()  # a no-op on the ranks already onloaded
         return early
 
-    def release_step_memory(self) -> None:
-        """Every rank frees its gradients and cached blocks, keeping its state on the GPU (colocated, after a
-        step whose state fitted beside the engines)."""
-        self._on_every_rank(lambda w: w.release_step_memory.remote(), "release_step_memory")
+    def offload_after_step(self) -> bool:
+        """After a step that every rank onloaded for early (colocated): each keeps its state on the GPU if it
+        still fits beside the engines (TrainActor.offload_after_step), else offloads all but the weights.
+        Returns whether every rank kept it; if one did not, all offload all but the weights, so the ranks
+        stay alike (the next sync then offloads the weights everywhere)."""
+        if all(self._on_every_rank(lambda w: w.offload_after_step.remote(), "offload_after_step")):
+            return True
+        self.offload(keep_weights=True)  # a no-op on the ranks that offloaded already
+        return False
 
     def undo_onload(self, started: list[ObjectRef]) -> None:
         """Wait for `start_onload_if_room`'s calls, then offload everything again."""

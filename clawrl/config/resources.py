@@ -40,7 +40,7 @@ class ResourcesConfig:
     offload_rollout: bool | None = None
     """Release the engines' GPU memory (weights, KV cache) while the trainer trains."""
     disable_onload_during_rollout: bool = False
-    """With --colocate --offload-train: bring the trainer's state back only after the engines released their memory, not while a rollout generates, and offload it after every step (by default, when the GPU has room for the state beside the engines, 5% of it kept free, the state comes back during the rollout and then stays)."""
+    """With --colocate --offload-train: bring the trainer's state back only after the engines released their memory, not while a rollout generates, and offload it after every step (by default, when the GPU has room for the state beside the engines, 5% of it kept free, the state comes back during the rollout and then stays while it fits)."""
     ray_address: str | None = option(metavar="ADDRESS")
     """Ray cluster to join; unset: start Ray on this machine."""
     multi_node: bool | None = None

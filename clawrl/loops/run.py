@@ -345,15 +345,19 @@ class Run:
                 early, moves["perf/trainer_onload_time"] = timed(self.trainer.finish_onload, started)
                 moves["perf/trainer_onload_early"] = float(early)
             metrics = self.trainer.train(batch)
-            if colocated and res.offload_train and early:
-                # Its state fitted beside the generating engines, and the engines get back what they
-                # released: it stays for the sync and the next rollout, only the step's memory goes.
-                moves["perf/trainer_offload_time"] = timed(self.trainer.release_step_memory)[1]
-            elif colocated and res.offload_train:
+            if colocated and res.offload_train:
                 # The weights stay for the sync that follows (sync_weights offloads them after it): it reads
-                # them on the device instead of copying them back from the host for it.
-                moves["perf/trainer_offload_time"] = timed(lambda: self.trainer.offload(keep_weights=True))[1]
-                self._trainer_weights_resident = True
+                # them on the device instead of copying them back from the host for it. A trainer whose
+                # state fitted beside the generating engines (and still does) keeps all of it instead.
+                if early:
+                    kept, moves["perf/trainer_offload_time"] = timed(self.trainer.offload_after_step)
+                else:
+                    kept = False
+                    moves["perf/trainer_offload_time"] = timed(
+                        lambda: self.trainer.offload(keep_weights=True)
+                    )[1]
+                moves["perf/trainer_stays_resident"] = float(kept)
+                self._trainer_weights_resident = not kept
             self.trainer_version += 1
         metrics.update(moves)
         records = metrics.pop(TRAIN_RECORDS_KEY, None)

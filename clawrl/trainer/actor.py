@@ -52,7 +52,7 @@ from clawrl.trainer.distributed import all_reduce_sum, free_port, init_distribut
 from clawrl.trainer.fsdp import build_mesh
 from clawrl.trainer.lora_state import lora_meta, lora_reference, lora_spec_of
 from clawrl.trainer.loss import LossFunction
-from clawrl.trainer.offload import HostOffload, device_memory
+from clawrl.trainer.offload import HostOffload, device_memory, device_reserved
 from clawrl.trainer.optim import LRSchedule, build_adamw, clip_grad_norm
 from clawrl.trainer.rl_step import (
     compute_advantages,
@@ -88,6 +88,8 @@ class TrainActor:
         # Host copies while offloaded, per group: parameters can come back alone (weight sync, export).
         self._host = {"params": HostOffload(), "optim": HostOffload(), "ref": HostOffload(),
                       "critic_params": HostOffload(), "critic_optim": HostOffload()}  # fmt: skip
+        self._room_beside_engines: tuple[int, float] | None = None
+        """(bytes reserved, bytes spare) when `onload_if_room` last onloaded beside generating engines."""
         self.critic: Critic | None = None
         """ppo's value model, in this rank beside the policy (None for the other estimators)."""
         self.lora = lora_spec_of(job.train)
@@ -459,32 +461,41 @@ class TrainActor:
         if self.critic is not None:
             self.critic.wrapped.restore()
 
-    def release_step_memory(self) -> None:
-        """Free what a train step left on the device beside the state: gradients and the allocator's cached
-        blocks (activations), so colocated engines can take back the memory they released. The state (weights,
-        optimizer, reference) stays; `offload()` is what moves it."""
+    def offload_after_step(self) -> bool:
+        """After a train step of a colocated trainer that `onload_if_room` found room for: free the step's
+        gradients and cached blocks, then keep the state on the device if it grew by no more than the room
+        that was spare beside the generating engines then (the first step creates the optimizer state, for
+        one), so the engines can take back what they released and generate beside it again. Otherwise do
+        `offload(keep_weights=True)`. Returns whether the state stayed."""
         self.optimizer.zero_grad(set_to_none=True)
         self.wrapped.release_grads()
         if self.critic is not None:
             self.critic.optimizer.zero_grad(set_to_none=True)
             self.critic.wrapped.release_grads()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the step's activations go back to the driver
+        room, self._room_beside_engines = self._room_beside_engines, None
+        if room is not None and device_reserved(self.device) - room[0] <= room[1]:
+            return True
+        self.offload(keep_weights=True)
+        return False
 
     def onload_if_room(self, headroom_fraction: float) -> bool:
         """`onload()` now if the device has room for it beside what else holds memory there (a colocated
         engine that is still generating) with `headroom_fraction` of the device's memory left free; else
         leave everything where it is. Returns whether the trainer is onloaded afterwards. The colocated loop
         calls it as a rollout starts, so the copies run while the engine generates instead of after it
-        released its memory. Off CUDA (no device memory to run out of) it always onloads."""
-        if not self.is_offloaded:
-            return True
+        released its memory; the room left then is what `offload_after_step` may keep. Off CUDA (no device
+        memory to run out of) it always onloads."""
+        self._room_beside_engines = None
         memory = device_memory(self.device)
-        if memory is not None:
-            free, total = memory
-            if free < self.onload_nbytes() + headroom_fraction * total:
+        if self.is_offloaded:
+            if memory is not None and memory[0] < self.onload_nbytes() + headroom_fraction * memory[1]:
                 return False
-        self.onload()
+            self.onload()
+            memory = device_memory(self.device)
+        spare = float("inf") if memory is None else memory[0] - headroom_fraction * memory[1]
+        self._room_beside_engines = (device_reserved(self.device), spare)
         return True
 
     def onload_nbytes(self) -> int:

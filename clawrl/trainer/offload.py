@@ -86,6 +86,11 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.mem_get_info(device)
 
 
+def device_reserved(device: torch.device) -> int:
+    """Bytes this process's allocator holds on `device` (0 off CUDA)."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+
 def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
     """Each non-empty storage once, in first-seen order (views and tied weights share one)."""
     seen: set[int] = set()

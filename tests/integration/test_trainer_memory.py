@@ -142,20 +142,34 @@ def test_onload_if_room_onloads_only_when_the_device_has_room(policy, monkeypatc
         assert actor.onload_if_room(0.05) and not actor.is_offloaded  # CPU: no device memory count
 
 
-def test_release_step_memory_drops_the_gradients_and_keeps_the_state(policy):
-    # What a colocated trainer that stays on the GPU frees after a step: the gradients (the next step starts
-    # from zero anyway); weights and optimizer state stay bit for bit, and the next step trains as without it.
+def test_offload_after_step_keeps_the_state_only_while_it_fits_beside_the_engines(policy, monkeypatch):
+    # A colocated trainer that onloaded beside generating engines keeps its state after the step if it grew
+    # by no more than the room spare then (the first step creates the optimizer state); the gradients go
+    # either way, the state stays bit for bit, and the next step trains as without any of this.
+    import clawrl.trainer.actor as actor_module
+
+    reserved = {"now": 1000}
+    monkeypatch.setattr(actor_module, "device_memory", lambda device: (600 + 50, 1000))  # spare: 650 - 50
+    monkeypatch.setattr(actor_module, "device_reserved", lambda device: reserved["now"])
     runs = []
-    for release in (True, False):
+    for growth, kept in ((600, True), (601, False), (None, False)):
+        reserved["now"] = 1000
         with running_actor(make_job(policy, train=dict(lr=1e-3))) as actor:
+            if growth is not None:
+                assert actor.onload_if_room(0.05)  # not offloaded: it measures the room only
             actor.train(make_batch(0))
             weights, state = full_weights(actor), _optimizer_state(actor)
-            if release:
-                assert any(p.grad is not None for p in actor.master.parameters())
-                actor.release_step_memory()
-                assert all(p.grad is None for p in [*actor.master.parameters(), *actor.model.parameters()])
-                assert all(torch.equal(w, weights[n]) for n, w in full_weights(actor).items())
-                assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(actor), state, strict=True))
+            assert any(p.grad is not None for p in actor.master.parameters())
+            reserved["now"] = 1000 + (growth or 0)
+            assert actor.offload_after_step() is kept
+            assert all(p.grad is None for p in [*actor.master.parameters(), *actor.model.parameters()])
+            assert actor.is_offloaded is not kept
+            assert not actor._host["params"].is_offloaded  # offloaded or not, the weights stay for the sync
+            assert actor.offload_after_step() is False  # the room is measured once per onload
+            actor.onload()
+            assert all(torch.equal(w, weights[n]) for n, w in full_weights(actor).items())
+            assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(actor), state, strict=True))
             runs.append((_train_metrics(actor.train(make_batch(1))), full_weights(actor)))
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(w, runs[1][1][n]) for n, w in runs[0][1].items())
+    for metrics, weights in runs[1:]:
+        assert metrics == runs[0][0]
+        assert all(torch.equal(w, runs[0][1][n]) for n, w in weights.items())

@@ -24,8 +24,8 @@ from clawrl.loops.run import EARLY_ONLOAD_HEADROOM, Run
 class _Trainer:
     """A TrainGroup's onload / train / offload calls, in order; `room` is what every rank answers."""
 
-    def __init__(self, room: bool = True):
-        self.room, self.calls = room, []
+    def __init__(self, room: bool = True, keeps: bool = True):
+        self.room, self.keeps, self.calls = room, keeps, []
 
     def start_onload_if_room(self, headroom_fraction):
         self.calls.append(("start_onload_if_room", headroom_fraction))
@@ -45,8 +45,9 @@ class _Trainer:
     def offload(self, *, keep_weights=False):
         self.calls.append(("offload", keep_weights))
 
-    def release_step_memory(self):
-        self.calls.append(("release_step_memory",))
+    def offload_after_step(self):
+        self.calls.append(("offload_after_step",))
+        return self.keeps
 
 
 class _Remote:
@@ -86,21 +87,22 @@ def _run(trainer, **resources) -> Run:
     return run
 
 
-@pytest.mark.parametrize("room", [True, False])
-def test_the_rollout_starts_the_onload_and_the_train_step_waits_for_it(room):
-    trainer = _Trainer(room=room)
+@pytest.mark.parametrize(("room", "keeps"), [(True, True), (True, False), (False, False)])
+def test_the_rollout_starts_the_onload_and_the_train_step_waits_for_it(room, keeps):
+    trainer = _Trainer(room=room, keeps=keeps)
     run = _run(trainer)
     assert run.generate_async(3) == "generate-ref"
     assert trainer.calls == [("generate", 3), ("start_onload_if_room", EARLY_ONLOAD_HEADROOM)]
     metrics = run.train("batch")
-    # With room the state stays on the GPU after the step (only its gradients and cached blocks go), and the
-    # sync does not offload the weights; without, everything but the weights leaves, then the weights.
-    after = ("release_step_memory",) if room else ("offload", True)
+    # With room the trainer decides after the step whether its state still fits (then the sync does not
+    # offload the weights); without, everything but the weights leaves, then the weights after the sync.
+    after = ("offload_after_step",) if room else ("offload", True)
     assert trainer.calls[2:] == [("finish_onload", ["onload-refs"]), ("train", "batch"), after]
     assert metrics["perf/trainer_onload_early"] == float(room)
+    assert metrics["perf/trainer_stays_resident"] == float(keeps)
     assert metrics["perf/trainer_onload_time"] >= 0.0 and metrics["perf/log_probs_time"] == 0.1
     assert run._early_onload is None  # used once: the next step starts its own
-    assert run._trainer_weights_resident is not room
+    assert run._trainer_weights_resident is not keeps
 
 
 def test_disabled_the_train_step_onloads_after_the_rollout():
