@@ -433,8 +433,7 @@ class TrainActor:
         Not collective. `train()` needs `onload()` first; save/export/weight sync work either way."""
         moved = 0
         if not self._host["optim"].is_offloaded:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.wrapped.release_grads()
+            self._drop_gradients()
             states = self.optimizer.state.values()
             moved += self._host["optim"].offload(
                 [v for st in states for v in st.values() if torch.is_tensor(v)]
@@ -442,7 +441,6 @@ class TrainActor:
             if self.ref_bank is not None:
                 moved += self._host["ref"].offload(self.ref_bank.shards)
             if self.critic is not None:
-                self.critic.optimizer.zero_grad(set_to_none=True)
                 self.critic.wrapped.release()
                 params, optim_state = self.critic.tensors()
                 moved += self._host["critic_params"].offload(params)
@@ -467,11 +465,7 @@ class TrainActor:
         that was spare beside the generating engines then (the first step creates the optimizer state, for
         one), so the engines can take back what they released and generate beside it again. Otherwise do
         `offload(keep_weights=True)`. Returns whether the state stayed."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.wrapped.release_grads()
-        if self.critic is not None:
-            self.critic.optimizer.zero_grad(set_to_none=True)
-            self.critic.wrapped.release_grads()
+        self._drop_gradients()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the step's activations go back to the driver
         room, self._room_beside_engines = self._room_beside_engines, None
@@ -479,6 +473,14 @@ class TrainActor:
             return True
         self.offload(keep_weights=True)
         return False
+
+    def _drop_gradients(self) -> None:
+        """Free the policy's (and the critic's) gradients: every optimizer step starts from zero anyway."""
+        for optimizer, wrapped in [(self.optimizer, self.wrapped)] + (
+            [(self.critic.optimizer, self.critic.wrapped)] if self.critic is not None else []
+        ):
+            optimizer.zero_grad(set_to_none=True)
+            wrapped.release_grads()
 
     def onload_if_room(self, headroom_fraction: float) -> bool:
         """`onload()` now if the device has room for it beside what else holds memory there (a colocated

@@ -140,13 +140,14 @@ def per_sample_mean(values: dict[int, torch.Tensor], batch: TrainBatch, device) 
     ids = list(values)
     if ids:
         lengths = torch.tensor([values[i].numel() for i in ids])
+        longest = int(lengths.max())
         rows = torch.repeat_interleave(torch.arange(len(ids)), lengths)
         starts = torch.cumsum(lengths, 0) - lengths
-        place = rows * int(lengths.max()) + torch.arange(int(lengths.sum())) - starts[rows]
+        place = rows * longest + torch.arange(int(lengths.sum())) - starts[rows]
         flat = torch.cat([values[i] for i in ids]).to(device=device, dtype=torch.float64)
         masks = [batch.loss_masks[i] for i in ids]
         mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.float64, device=device)
-        padded = torch.zeros(len(ids) * int(lengths.max()), dtype=torch.float64, device=device)
+        padded = torch.zeros(len(ids) * longest, dtype=torch.float64, device=device)
         padded[place.to(device)] = flat * mask
         counts = torch.tensor([max(sum(ms), 1) for ms in masks], dtype=torch.float64, device=device)
         total[0] = (padded.view(len(ids), -1).sum(dim=1) / counts).sum()
