@@ -40,6 +40,9 @@ def _ray(**env: str):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
+        # start_ray reuses a Ray an earlier test of this worker left running, whose actors would not see `env`
+        # (the stall then never happens and Run.start succeeds): start a fresh one.
+        ray.shutdown()
         start_ray(num_cpus=2)
         yield
     finally:
