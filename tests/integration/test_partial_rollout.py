@@ -2,8 +2,10 @@
 
 One engine that runs one request at a time, --rollout-batch-size 1 with --over-sampling-batch-size 3 and
 single-sample groups: rollout 0 keeps the first group to finish and aborts the other two, one of which was
-running (its partial response is kept: the filter below holds the manager's event loop for a moment after
-the first group finishes, so the engine is mid-way through the next request when the abort arrives). The
+running (its partial response is kept: the filter below holds the manager's event loop after the first
+group finishes until the engine has generated a few tokens of the next request, so the abort finds it
+mid-way; a fixed sleep was not enough on a loaded 2-core CI machine, where the engine thread at times had
+no token yet and rollout 1 then had nothing to resume). The
 engine then loads new weights as version "1" (the same file: what changes is the version) and rollout 1
 resumes the partial sample. The filter keeps, in rollout 1, only a group with a two-segment sample, so the
 batch is the resumed sample whatever order the engine runs its requests in.
@@ -34,6 +36,7 @@ from clawrl.rollout.manager import RolloutManager
 
 HERE = __name__
 MAX_RESPONSE = 256  # long enough that the request running at the abort is only part-way through
+_ENGINE: list[Engine] = []  # the engine fixture's Engine, read by the filter below
 
 
 async def rm_zero(args, sample, **kwargs):
@@ -41,14 +44,24 @@ async def rm_zero(args, sample, **kwargs):
 
 
 def keep_first_round_or_resumed(args, samples: list[Sample], **kwargs) -> bool:
-    """Rollout 0 (fresh groups on version 0): keep, after holding the manager's loop 0.3 s so the engine
-    generates part of the next request before the abort. Later: keep only a resumed partial group."""
+    """Rollout 0 (fresh groups on version 0): keep, after holding the manager's loop until the engine has
+    generated part of the next request. Later: keep only a resumed partial group."""
     fresh = all(s.weight_versions == ["0"] and "start_rollout_id" not in s.metadata for s in samples)
     if fresh:
         # blocks the manager's event loop (not the engine's thread): no abort is sent meanwhile
-        time.sleep(0.3)
+        _wait_for_a_started_request(min_tokens=4, timeout_s=30.0)
         return True
     return any(len(s.weight_versions) >= 2 for s in samples)
+
+
+def _wait_for_a_started_request(min_tokens: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        running = list(_ENGINE[0].scheduler.running)  # a copy: the engine thread changes the list
+        if any(len(seq.output_token_ids) >= min_tokens for seq in running):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the engine generated fewer than {min_tokens} tokens of a request in {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +73,12 @@ def model_dir(tmp_path_factory):
 def engine(model_dir):
     config = EngineConfig(model_path=model_dir, device="cpu", dtype="float32", num_kv_blocks=256,
                           max_running_requests=1)  # fmt: skip
-    server = ServerThread(create_app(AsyncEngine(Engine(config), step_timeout_s=120))).start()
+    core = Engine(config)
+    _ENGINE[:] = [core]
+    server = ServerThread(create_app(AsyncEngine(core, step_timeout_s=120))).start()
     yield server
     server.stop()
+    _ENGINE.clear()
 
 
 def _job(model_dir: str, tmp_path, **rollout) -> JobConfig:
