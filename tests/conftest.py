@@ -32,3 +32,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_running(request):
+    """Each test module starts without a Ray instance in this process. `start_ray` joins a Ray that is
+    already initialised, so one a module left running would carry its actors' environment (and its
+    resources) into the next module of the same xdist worker. A leftover is shut down and reported."""
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        import warnings
+
+        warnings.warn(f"{request.module.__name__} left Ray running; shut down after the module", stacklevel=1)

@@ -25,10 +25,12 @@ logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
 
 
-def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> None:
-    """Join `address` (--ray-address), or start a local Ray instance sized to this machine."""
+def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
+    """Join `address` (--ray-address), or start a local Ray instance sized to this machine. False when this
+    process had Ray initialised already (the caller's, which is used as it is and left running), else True:
+    the caller then owns the connection and shuts it down when it is done."""
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local single-user runs: no token dance
     runtime_env = {"env_vars": forwarded_env()}
     if address:
@@ -40,6 +42,7 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> Non
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                  log_to_driver=True, runtime_env=runtime_env,
                  _system_config={"prestart_worker_first_driver": False})  # fmt: skip
+    return True
 
 
 # Variables that describe the driver's own machine or shell, or that Ray sets per actor (CUDA_VISIBLE_DEVICES):

@@ -94,6 +94,9 @@ class Run:
     """Prints the start-up phases until the first weight sync ends them (then None)."""
     _manager_began: float = 0.0
     """time.monotonic() when the rollout manager's actor was created."""
+    _owns_ray: bool = False
+    """Run.start initialised Ray in this process (not a caller's ray.init): close() shuts it down, so a run
+    started from Python leaves the process as it found it."""
 
     # --------------------------------------------------------------------------------------- start
     @classmethod
@@ -103,13 +106,18 @@ class Run:
         `init_trainer` then waits for the trainer's model and optimizer, which were built meanwhile."""
         d = job.debug
         clock = StartupClock()
-        start_ray(job.resources.ray_address)
+        owns_ray = start_ray(job.resources.ray_address)
         clock.phase("Ray ready", clock.began)
-        plan = plan_placement(
-            job.resources, cluster_gpus=cluster_gpus(), trainer=not d.debug_rollout_only,
-            engines=not d.debug_train_only and not job.resources.rollout_external_engine_addrs,
-        )  # fmt: skip
-        run = cls(job=job, plan=plan, _clock=clock)
+        try:
+            plan = plan_placement(
+                job.resources, cluster_gpus=cluster_gpus(), trainer=not d.debug_rollout_only,
+                engines=not d.debug_train_only and not job.resources.rollout_external_engine_addrs,
+            )  # fmt: skip
+        except BaseException:
+            if owns_ray:
+                ray.shutdown()
+            raise
+        run = cls(job=job, plan=plan, _clock=clock, _owns_ray=owns_ray)
         threads = 1 if plan.mode == "cpu" else None  # 2-core CPU runs: one thread per process
         try:
             run.reservation = group = reserve(plan)
@@ -525,6 +533,9 @@ class Run:
             ray.kill(self.manager, no_restart=True)
         if self.reservation is not None:  # after every actor in it has ended
             ray.util.remove_placement_group(self.reservation.group)
+        if self._owns_ray:
+            sys.stdout.flush()
+            ray.shutdown()
         if errors and not failing:
             raise errors[0]
 

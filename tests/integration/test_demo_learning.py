@@ -51,6 +51,9 @@ def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("learning") / "demo"
     lines: list[str] = []
     summary = run_demo(out, recipe=recipe, echo=lines.append)
+    import ray
+
+    assert not ray.is_initialized()  # the run started Ray for itself and shut it down at its end
     return expected, out, summary, lines
 
 

@@ -1,7 +1,8 @@
 """Run.close ends everything Run.start opened, also when start fails half-way: the engine actors, the rollout
 manager actor and the trainer ranks are all dead afterwards, and the error that stopped the start is the one
 raised. The start is made to fail at its last step, the metric logger, after the trainer ranks exist: the
-output directory is a path below a regular file.
+output directory is a path below a regular file. A Ray that Run.start initialised itself is shut down by
+close; one the caller initialised is left running.
 
     .venv/bin/pytest tests/integration/test_run_lifecycle.py -x -q -p no:cacheprovider
 """
@@ -53,6 +54,20 @@ def _wait_all_dead(before: set[str], timeout_s: float = 20.0) -> dict[str, str]:
     return states
 
 
+def test_a_failed_start_shuts_down_the_ray_it_started(assets, tmp_path):
+    # runs before the module's ray_session exists: Run.start initialises Ray itself, so close() ends it
+    import ray
+
+    from clawrl.loops.run import Run
+
+    assert not ray.is_initialized()
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the output directory should go\n")
+    with pytest.raises((FileExistsError, NotADirectoryError)):
+        Run.start(_job(assets, blocker / "out"))
+    assert not ray.is_initialized()
+
+
 def test_a_start_that_fails_after_the_trainer_exists_ends_every_actor(assets, ray_session, tmp_path):
     from ray._private import state
 
@@ -69,3 +84,6 @@ def test_a_start_that_fails_after_the_trainer_exists_ends_every_actor(assets, ra
     assert set(states) == ACTOR_CLASSES, states  # every part was started before the failure ...
     assert set(states.values()) == {"DEAD"}, states  # ... and closed by it
     assert "not_a_dir" in str(failure.value)  # the error that stopped the start is the one raised
+    import ray
+
+    assert ray.is_initialized()  # the caller's Ray (ray_session) is left running

@@ -48,15 +48,23 @@ def _flags(assets, out, *extra):
         "--rollout-temperature", "0.9", "--global-batch-size", "8", "--use-kl-loss", "--kl-loss-coef", "0.0",
         "--lr", "1e-3", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "512", "--check-weight-update-equal",
-        "--ci-test", "--ci-log-probs-margin", "10", "--output-dir", str(out), "--run-name", out.name, *extra,
+        "--ci-test", "--ci-log-probs-margin", "10", "--output-dir", str(out), "--run-name", out.name,
+        # a hang ends with the run's own deadline error and the stuck process's stack, not the test's timeout
+        "--engine-start-timeout", "240", "--rollout-timeout", "240", "--train-timeout", "240",
+        "--update-weights-timeout", "240", *extra,
     ]  # fmt: skip
 
 
 def _clawrl(*args, timeout=600):
-    result = subprocess.run(
-        [sys.executable, "-m", "clawrl.cli.main", *args], capture_output=True, text=True, timeout=timeout
-    )
-    return result
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "clawrl.cli.main", *args], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as exc:  # the run's own output says where it hung
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        pytest.fail(
+            f"clawrl {args[0]} did not exit within {timeout} s; the end of its stderr:\n{err[-12000:]}"
+        )
 
 
 def _metrics(out: Path) -> list[dict]:
