@@ -8,7 +8,9 @@ decode runs). Printed: ms of each matmul over all layers, ms of the whole forwar
 and the ratio to cuBLAS. Each config is also checked for what --true-on-policy-mode relies on: a row's bits
 do not depend on the row count, the packed qkv weight's columns give the bits of the separate q/k/v
 weights, and the config gives the bits of the first row (linear_forward's own choice by shape). The last
-must hold since a decode batch and a trainer micro-batch take different tiles (linear_tiles).
+must hold since a decode batch and a trainer micro-batch take different tiles (linear_tiles) and a decode
+batch's down_proj spreads its K chunks over programs (linear_splits); "linear_tiles, no split-K" times the
+same tiles with every chunk summed in one program.
 
 Run from the repository root on a GPU (about a minute):
     PYTHONPATH=. python bench/batch_invariant_linear.py --shape 0.5b --rows 256 8192
@@ -124,30 +126,39 @@ def main() -> int:
         cublas, cublas_total = timed(lambda x, w: torch.nn.functional.linear(x, w))
         table["cublas"] = {"ms": cublas, "step_ms": cublas_total}
         reference = None
-        for tiles in [None, *configs]:  # None: linear_forward's own choice by shape (linear_tiles)
-            name = (
-                "linear_tiles (used)"
-                if tiles is None
-                else "x".join(map(str, tiles[:3])) + f" w{tiles.warps} s{tiles.stages}"
-            )
+        # None: linear_forward's own choices by shape (linear_tiles, linear_splits); split None: by shape
+        variants = [("linear_tiles (used)", None, None), ("linear_tiles, no split-K", None, False)]
+        variants += [("x".join(map(str, t[:3])) + f" w{t.warps} s{t.stages}", t, None) for t in configs]
+        for name, tiles, split in variants:
             try:
-                times, total = timed(lambda x, w, t=tiles: bi.linear_forward(x, w, None, t))
+                times, total = timed(lambda x, w, t=tiles, s=split: bi.linear_forward(x, w, None, t, split=s))
             except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is reported
                 table[name] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
                 continue
             x, w = xs["qkv_proj"], weights["qkv_proj"][0]
-            full = bi.linear_forward(x, w, bias, tiles)
+            full = bi.linear_forward(x, w, bias, tiles, split=split)
             rows_ok = all(
-                torch.equal(bi.linear_forward(x[:r], w, bias, tiles), full[:r])
+                torch.equal(bi.linear_forward(x[:r], w, bias, tiles, split=split), full[:r])
                 for r in (1, 3, 17, min(rows, 129))
             )
             q_size = mats["o_proj"][0]
             cols_ok = all(
-                torch.equal(bi.linear_forward(x, w[c], bias[c], tiles), full[:, c])
+                torch.equal(bi.linear_forward(x, w[c], bias[c], tiles, split=split), full[:, c])
                 for c in (slice(0, q_size), slice(q_size, w.shape[0]), slice(100, q_size + 7))
             )
-            same_bits = reference is None or torch.equal(full, reference)
-            reference = full if reference is None else reference
+            # and the down_proj (long K: chunked, split over programs at small row counts)
+            down = bi.linear_forward(xs["down_proj"], weights["down_proj"][0], None, tiles, split=split)
+            rows_ok = rows_ok and all(
+                torch.equal(
+                    bi.linear_forward(xs["down_proj"][:r], weights["down_proj"][0], None, tiles, split=split),
+                    down[:r],
+                )
+                for r in (1, 17, min(rows, 129))
+            )
+            same_bits = reference is None or (
+                torch.equal(full, reference[0]) and torch.equal(down, reference[1])
+            )
+            reference = (full, down) if reference is None else reference
             table[name] = {
                 "ms": times, "step_ms": total, "vs_cublas": total / cublas_total,
                 "rows_invariant": rows_ok, "packed_columns_invariant": cols_ok, "bits_equal_first_config": same_bits,

@@ -7,8 +7,9 @@ computes a token in a decode batch of 1..256 rows against a paged KV cache; the 
 token inside an 8k-token packed micro-batch. Every kernel here fixes its reduction order by the shapes the
 two sides share (K, head_dim, vocab, context position) and never by the row count:
 
-    y = linear(x, weight, bias)            # x [M, K] @ weight[N, K]^T (+ bias) -> [M, N] x.dtype; no
-                                           # split-K: K summed from 0 into one fp32 accumulator
+    y = linear(x, weight, bias)            # x [M, K] @ weight[N, K]^T (+ bias) -> [M, N] x.dtype; K in
+                                           # fixed 2048-element chunks, each summed from 0 in fp32, the
+                                           # chunk sums added in order (split over programs or not)
     y = rms_norm(x, weight, eps)           # one program per row; RMSNorm's numerics (layers.py)
     lp = log_probs_of(logits, tokens, t)   # log_softmax(logits.float() / t)[token], one program per row,
                                            # online max / sum over fixed vocab chunks
@@ -36,7 +37,12 @@ eager chains' ~10 small launches per layer, which cost a decode step ~0.8 ms at 
 trainer both call it, so both run the same code. Gradients: forward = the kernel, backward = plain torch
 or the fused kernels' own (gradients need not be invariant).
 
-Cost: no split-K and no split-KV leave small decode batches with fewer programs than SMs, and the attention
+Split-K: a decode batch's down_proj (few columns, long K) has fewer tiles than the GPU has SMs. Its K
+chunks then run on separate programs, each writing its fp32 chunk sum, and a reduce kernel adds them in
+chunk order (linear_splits). The one-program path adds the same chunk sums in the same order, so the
+split changes the speed only, never a bit: the order depends on K alone.
+
+Cost: no split-KV leaves small decode batches' attention with fewer programs than SMs, and the attention
 kernel re-reads keys per query token; logits are bf16 (the engine's) instead of the trainer's fp32.
 
 On CPU the kernels run only under the Triton interpreter (TRITON_INTERPRET=1, tests); there bf16 tl.dot
@@ -101,6 +107,12 @@ def linear_tiles(num_rows: int, num_cols: int, device: torch.device) -> LinearTi
     return tiles
 
 
+LINEAR_CHUNK_K = 32 if _INTERPRETED else 2048
+"""K is summed in chunks of this many elements on every side (engine, trainer, any row count), each chunk
+from 0 and the chunk sums added in order: a split-K over these chunks then keeps every bit. K <= one chunk
+(every linear of the 0.5B and 1.5B shapes but the down_proj) is the plain sum."""
+LINEAR_REDUCE_BLOCK = (16, 32) if _INTERPRETED else (32, 128)
+LINEAR_INTERPRETED_CORES = 4  # the interpreter's stand-in for the SM count: small grids split there too
 LOGPROB_BLOCK_V = 512 if _INTERPRETED else 4096
 ATTENTION_BLOCK_N = 8 if _INTERPRETED else 64
 # Where the switched model's RoPE / SiLU-and-mul take the fused kernels: wherever Triton runs.
@@ -114,37 +126,98 @@ def _dot_options(dtype: torch.dtype) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- linear
-@triton.jit(do_not_specialize=["M", "N", "stride_om"])
-def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
-    """Grid (M tiles, N tiles): one BLOCK_M x BLOCK_N output tile, K summed from 0 in BLOCK_K steps."""
-    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _linear_chunk(x_ptr, w_ptr, rm, rn, M, N, k_start, k_end, stride_xm, stride_wn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+    """The fp32 sum over k in [k_start, k_end) of one BLOCK_M x BLOCK_N tile, from 0, in BLOCK_K steps."""
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + rk) < K
+    part = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = (k0 + rk) < k_end
         x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :],
                     mask=(rm < M)[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :],
                     mask=(rn < N)[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         if DOT_FP32:
             x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        part = tl.dot(x, tl.trans(w), part, input_precision=PRECISION)
+    return part
+
+
+@triton.jit(do_not_specialize=["M", "N", "stride_om"])
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ONE_CHUNK: tl.constexpr, CHUNK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """K in chunks of CHUNK_K, each summed from 0 in its own fp32 accumulator.
+
+    SPLIT False, grid (M tiles, N tiles): the chunk sums are added in order (0 + c0 + c1 + ...), then the
+    bias, and the tile is stored in out's dtype. SPLIT True, grid (M tiles, N tiles, chunks): program
+    (i, j, c) stores chunk c's fp32 sum at out[c] of a [chunks, M, N] workspace; _linear_reduce_kernel adds
+    them in the same order. Either way an element's bits follow from K alone, not from the split."""
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT:
+        k_start = tl.program_id(2) * CHUNK_K
+        part = _linear_chunk(x_ptr, w_ptr, rm, rn, M, N, k_start, tl.minimum(k_start + CHUNK_K, K),
+                             stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)  # fmt: skip
+        chunk_base = tl.program_id(2).to(tl.int64) * M * N
+        tl.store(out_ptr + chunk_base + rm[:, None] * N + rn[None, :], part, mask=mask)
+    elif ONE_CHUNK:  # K <= CHUNK_K: the plain loop, without the chunk loop around it (slower at large tiles)
+        acc = _linear_chunk(x_ptr, w_ptr, rm, rn, M, N, 0, K, stride_xm, stride_wn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)  # fmt: skip
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
+        for k_start in range(0, K, CHUNK_K):
+            acc += _linear_chunk(x_ptr, w_ptr, rm, rn, M, N, k_start, tl.minimum(k_start + CHUNK_K, K),
+                                 stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)  # fmt: skip
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "N", "num_chunks", "stride_om"])
+def _linear_reduce_kernel(
+    part_ptr, b_ptr, out_ptr, M, N, num_chunks, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """out = ((0 + part[0]) + part[1] + ...) + bias, in fp32, then out's dtype: _linear_kernel's order."""
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
+    for c in range(0, num_chunks):
+        acc += tl.load(part_ptr + c * M * N + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def linear_splits(num_rows: int, num_cols: int, k_dim: int, tiles: LinearTiles, device: torch.device) -> int:
+    """K chunks spread over programs: all of them when the tile grid alone has fewer programs than the SMs
+    (a decode batch's down_proj: few columns, long K), else 1 (one program sums every chunk in turn)."""
+    chunks = triton.cdiv(k_dim, LINEAR_CHUNK_K)
+    if chunks == 1:
+        return 1
+    programs = triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(num_cols, tiles.block_n)
+    cores = sm_count(device.index or 0) if device.type == "cuda" else LINEAR_INTERPRETED_CORES
+    return chunks if programs < cores else 1
+
+
 def linear_forward(
-    x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None, tiles: LinearTiles | None = None
-) -> torch.Tensor:
+    x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None, tiles: LinearTiles | None = None,
+    *, split: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The kernel without autograd: [M, K] @ [N, K]^T (+ bias in the fp32 accumulator) -> [M, N] x.dtype.
-    `tiles` (benchmarks, tests) overrides linear_tiles' choice by shape."""
+    `tiles` and `split` (benchmarks, tests) override linear_tiles' and linear_splits' choices by shape;
+    neither changes a bit of the result."""
     if x_MK.dtype != weight_NK.dtype:
         raise ValueError(f"batch-invariant linear: input {x_MK.dtype} and weight {weight_NK.dtype} differ")
     x_MK, weight_NK = x_MK.contiguous(), weight_NK.contiguous()
@@ -154,13 +227,30 @@ def linear_forward(
         return out
     if tiles is None:
         tiles = linear_tiles(num_rows, num_cols, x_MK.device)
+    chunks = triton.cdiv(k_dim, LINEAR_CHUNK_K)
+    if split is None:
+        chunks = linear_splits(num_rows, num_cols, k_dim, tiles, x_MK.device)
+    elif not split:
+        chunks = 1
     grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(num_cols, tiles.block_n))
-    _linear_kernel[grid](
-        x_MK, weight_NK, bias_N if bias_N is not None else weight_NK, out, num_rows, num_cols, k_dim,
-        x_MK.stride(0), weight_NK.stride(0), out.stride(0), HAS_BIAS=bias_N is not None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_dot_options(x_MK.dtype),
-        num_warps=tiles.warps, num_stages=tiles.stages,
-    )  # fmt: skip
+    bias = bias_N if bias_N is not None else weight_NK  # a pointer the kernel never reads without HAS_BIAS
+    common = dict(HAS_BIAS=bias_N is not None, ONE_CHUNK=k_dim <= LINEAR_CHUNK_K, CHUNK_K=LINEAR_CHUNK_K, BLOCK_M=tiles.block_m,
+                  BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **_dot_options(x_MK.dtype),
+                  num_warps=tiles.warps, num_stages=tiles.stages)  # fmt: skip
+    if chunks == 1:
+        _linear_kernel[grid](x_MK, weight_NK, bias, out, num_rows, num_cols, k_dim, x_MK.stride(0),
+                             weight_NK.stride(0), out.stride(0), SPLIT=False, **common)  # fmt: skip
+        return out
+    parts = torch.empty(chunks, num_rows, num_cols, dtype=torch.float32, device=x_MK.device)
+    _linear_kernel[(*grid, chunks)](x_MK, weight_NK, bias, parts, num_rows, num_cols, k_dim, x_MK.stride(0),
+                                    weight_NK.stride(0), num_cols, SPLIT=True, **common)  # fmt: skip
+    reduce_grid = (
+        triton.cdiv(num_rows, LINEAR_REDUCE_BLOCK[0]),
+        triton.cdiv(num_cols, LINEAR_REDUCE_BLOCK[1]),
+    )
+    _linear_reduce_kernel[reduce_grid](parts, bias, out, num_rows, num_cols, chunks, out.stride(0),
+                                       HAS_BIAS=bias_N is not None, BLOCK_M=LINEAR_REDUCE_BLOCK[0],
+                                       BLOCK_N=LINEAR_REDUCE_BLOCK[1], num_warps=4)  # fmt: skip
     return out
 
 

@@ -68,6 +68,26 @@ def test_linear_bits_do_not_depend_on_the_tiles(k_dim, n_dim):
               bi.LinearTiles(64, 128, 128, 4, 3))  # fmt: skip
     for tiles in others:
         assert torch.equal(bi.linear_forward(x, w, None, tiles), want), tiles
+    # K chunks spread over programs (and the reduce kernel) give the one-program bits, at every tile shape
+    for tiles in (bi.LINEAR_TILES_DECODE, *others):
+        assert torch.equal(bi.linear_forward(x, w, None, tiles, split=True), want), ("split", tiles)
+
+
+@pytest.mark.parametrize("k_dim,n_dim", [(4864, 896), (8960, 1536), (5000, 300)])
+def test_a_decode_batchs_split_k_gives_the_trainers_bits(k_dim, n_dim):
+    # a down_proj: the decode batch's grid is smaller than the SM count, so its K chunks run on separate
+    # programs; the trainer's 8192-row micro-batch sums them in one program, in the same order (at 300
+    # columns its own grid is small enough to split too: both give the one-program bits)
+    x, w = randn(8192, k_dim), randn(n_dim, k_dim, seed=1, scale=k_dim**-0.5)
+    b = randn(n_dim, seed=2)
+    device = torch.device("cuda")
+    full = bi.linear_forward(x, w, b, split=False)
+    torch.testing.assert_close(full.float(), x.float() @ w.float().t() + b.float(), atol=0.1, rtol=0.02)
+    assert torch.equal(bi.linear(x, w, b), full)
+    for rows in (1, 8, 64, 128, 256):  # split at <= 64 rows for every shape here (132 SMs)
+        splits = bi.linear_splits(rows, n_dim, k_dim, bi.linear_tiles(rows, n_dim, device), device)
+        assert splits > 1 or rows > 64, rows
+        assert torch.equal(bi.linear(x[:rows], w, b), full[:rows]), (rows, splits)
 
 
 def test_rms_norm_and_log_probs_are_row_invariant():

@@ -21,6 +21,10 @@ from clawrl.models.layers import RMSNorm, TrainKernelSwitch
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=generator) * scale).to(device=DEVICE, dtype=dtype)
@@ -39,6 +43,36 @@ def test_linear_matches_eager_and_is_row_and_column_invariant(dtype):
     # q/k/v cut from a packed qkv weight at offsets that are not tile multiples
     for cols in (slice(0, 24), slice(24, 40), slice(40, 70)):
         assert torch.equal(bi.linear(x, w[cols], b[cols]), y[:, cols])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_split_k_keeps_every_bit(dtype):
+    # K = 100: four chunks of LINEAR_CHUNK_K (32 here), the last partial; 7 x 20 outputs is one tile, so the
+    # shape's own choice splits (fewer programs than LINEAR_INTERPRETED_CORES)
+    k_dim = 100
+    assert triton_cdiv(k_dim, bi.LINEAR_CHUNK_K) == 4
+    x, w = randn(7, k_dim, dtype=dtype), randn(20, k_dim, dtype=dtype, seed=1, scale=0.1)
+    b = randn(20, dtype=dtype, seed=2)
+    assert bi.linear_splits(7, 20, k_dim, bi.LINEAR_TILES_DECODE, torch.device(DEVICE)) == 4
+    whole = bi.linear_forward(x, w, b, split=False)
+    torch.testing.assert_close(
+        whole.float(), x.float() @ w.float().t() + b.float(), **({"atol": 1e-5, "rtol": 1e-5}
+        if dtype == torch.float32 else {"atol": 0.05, "rtol": 1e-2})
+    )  # fmt: skip
+    assert torch.equal(bi.linear_forward(x, w, b, split=True), whole)
+    assert torch.equal(bi.linear_forward(x, w, b), whole)  # the choice by shape: split
+    assert torch.equal(bi.linear_forward(x, w, None, split=True), bi.linear_forward(x, w, None, split=False))
+    # a row alone, in a batch too big to split, and columns cut from the packed weight: the same bits
+    tall = torch.cat([x] + [randn(7, k_dim, dtype=dtype, seed=10 + i) for i in range(6)])  # 49 rows, 4 tiles
+    assert bi.linear_splits(49, 20, k_dim, bi.LINEAR_TILES_DECODE, torch.device(DEVICE)) == 1
+    assert torch.equal(bi.linear_forward(tall, w, b)[:7], whole)
+    assert torch.equal(bi.linear_forward(x[2:3], w, b), whole[2:3])
+    assert torch.equal(bi.linear_forward(x, w[5:17], b[5:17], split=True), whole[:, 5:17])
+
+
+def test_linear_without_a_second_chunk_never_splits():
+    assert bi.linear_splits(1, 8, bi.LINEAR_CHUNK_K, bi.LINEAR_TILES_DECODE, torch.device(DEVICE)) == 1
+    assert bi.linear_splits(1, 8, bi.LINEAR_CHUNK_K + 1, bi.LINEAR_TILES_DECODE, torch.device(DEVICE)) == 2
 
 
 def test_linear_gradients_are_eager():
