@@ -162,11 +162,9 @@ def _context_length(job) -> str:
 
 
 def _stop_ray() -> None:
-    import ray
+    from clawrl.cluster.ray_cluster import stop_ray  # imported late: Ray is slow to import for a flag error
 
-    sys.stdout.flush()
-    if ray.is_initialized():
-        ray.shutdown()
+    stop_ray()
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import ray
@@ -43,6 +44,14 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> boo
                  log_to_driver=True, runtime_env=runtime_env,
                  _system_config={"prestart_worker_first_driver": False})  # fmt: skip
     return True
+
+
+def stop_ray() -> None:
+    """Flush stdout (forwarded actor lines stay before what the caller prints next), then shut Ray down if
+    this process has it initialised."""
+    sys.stdout.flush()
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 # Variables that describe the driver's own machine or shell, or that Ray sets per actor (CUDA_VISIBLE_DEVICES):

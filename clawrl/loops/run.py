@@ -27,7 +27,7 @@ from clawrl.cluster.engine_pool import EnginePool
 from clawrl.cluster.external_engines import ExternalEnginePool, sync_from_disk
 from clawrl.cluster.health import EngineHealthMonitor
 from clawrl.cluster.placement import PlacementPlan, plan_placement
-from clawrl.cluster.ray_cluster import Reservation, cluster_gpus, reserve, start_ray
+from clawrl.cluster.ray_cluster import Reservation, cluster_gpus, reserve, start_ray, stop_ray
 from clawrl.cluster.rollout_actor import RolloutManagerActor
 from clawrl.cluster.startup import StartupClock, early_init_steps, optimizer_steps
 from clawrl.cluster.train_group import TrainGroup
@@ -115,7 +115,7 @@ class Run:
             )  # fmt: skip
         except BaseException:
             if owns_ray:
-                ray.shutdown()
+                stop_ray()
             raise
         run = cls(job=job, plan=plan, _clock=clock, _owns_ray=owns_ray)
         threads = 1 if plan.mode == "cpu" else None  # 2-core CPU runs: one thread per process
@@ -534,8 +534,7 @@ class Run:
         if self.reservation is not None:  # after every actor in it has ended
             ray.util.remove_placement_group(self.reservation.group)
         if self._owns_ray:
-            sys.stdout.flush()
-            ray.shutdown()
+            stop_ray()
         if errors and not failing:
             raise errors[0]
 

@@ -167,20 +167,25 @@ def _linear_kernel(
                              stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)  # fmt: skip
         chunk_base = tl.program_id(2).to(tl.int64) * M * N
         tl.store(out_ptr + chunk_base + rm[:, None] * N + rn[None, :], part, mask=mask)
-    elif ONE_CHUNK:  # K <= CHUNK_K: the plain loop, without the chunk loop around it (slower at large tiles)
-        acc = _linear_chunk(x_ptr, w_ptr, rm, rn, M, N, 0, K, stride_xm, stride_wn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)  # fmt: skip
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
-        for k_start in range(0, K, CHUNK_K):
-            acc += _linear_chunk(x_ptr, w_ptr, rm, rn, M, N, k_start, tl.minimum(k_start + CHUNK_K, K),
-                                 stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)  # fmt: skip
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        # K <= CHUNK_K: the plain loop, without the chunk loop around it (that loop slows large tiles)
+        if ONE_CHUNK:
+            acc = _linear_chunk(x_ptr, w_ptr, rm, rn, M, N, 0, K, stride_xm, stride_wn,
+                                BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)  # fmt: skip
+        else:
+            acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
+            for k_start in range(0, K, CHUNK_K):
+                acc += _linear_chunk(x_ptr, w_ptr, rm, rn, M, N, k_start, tl.minimum(k_start + CHUNK_K, K),
+                                     stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)  # fmt: skip
+        _add_bias_and_store(acc, b_ptr, out_ptr, rm, rn, N, mask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _add_bias_and_store(acc, b_ptr, out_ptr, rm, rn, N, mask, stride_om, HAS_BIAS: tl.constexpr):
+    """The fp32 tile + bias (in fp32), stored in out's dtype: the linear's last step on either path."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "N", "num_chunks", "stride_om"])
@@ -195,9 +200,7 @@ def _linear_reduce_kernel(
     acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
     for c in range(0, num_chunks):
         acc += tl.load(part_ptr + c * M * N + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _add_bias_and_store(acc, b_ptr, out_ptr, rm, rn, N, mask, stride_om, HAS_BIAS)
 
 
 def linear_splits(num_rows: int, num_cols: int, k_dim: int, tiles: LinearTiles, device: torch.device) -> int:

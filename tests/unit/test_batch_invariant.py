@@ -21,10 +21,6 @@ from clawrl.models.layers import RMSNorm, TrainKernelSwitch
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: see tests/conftest.py
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=generator) * scale).to(device=DEVICE, dtype=dtype)
@@ -50,7 +46,6 @@ def test_linear_split_k_keeps_every_bit(dtype):
     # K = 100: four chunks of LINEAR_CHUNK_K (32 here), the last partial; 7 x 20 outputs is one tile, so the
     # shape's own choice splits (fewer programs than LINEAR_INTERPRETED_CORES)
     k_dim = 100
-    assert triton_cdiv(k_dim, bi.LINEAR_CHUNK_K) == 4
     x, w = randn(7, k_dim, dtype=dtype), randn(20, k_dim, dtype=dtype, seed=1, scale=0.1)
     b = randn(20, dtype=dtype, seed=2)
     assert bi.linear_splits(7, 20, k_dim, bi.LINEAR_TILES_DECODE, torch.device(DEVICE)) == 4
