@@ -30,8 +30,6 @@ import collections
 import time
 from typing import Any
 
-import httpx
-
 from clawrl.engine.http.client import AsyncEngineClient, EngineClientError
 
 # Sessions remembered for affinity; the oldest are forgotten first (a session only matters while it runs).
@@ -48,23 +46,6 @@ class EngineHealthError(EngineRouterError):
     def __init__(self, message: str, statuses: dict[str, dict[str, Any]]) -> None:
         super().__init__(message)
         self.statuses = statuses
-
-
-def _engine_failed(error: EngineClientError) -> bool:
-    """True when the engine (not the request) failed: it refused, dropped or reset the connection, or
-    answered 502/503. A timeout is not one: the engine may be slow, and the health monitor judges that."""
-    cause = error.__cause__
-    if isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException):
-        return True
-    return error.status_code in (502, 503)
-
-
-def _unreachable(error: EngineClientError) -> bool:
-    """True when the request certainly did not run on that engine, so another may take it."""
-    cause = error.__cause__
-    if isinstance(cause, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return True
-    return error.status_code == 503
 
 
 class EngineRouter:
@@ -162,7 +143,7 @@ class EngineRouter:
             try:
                 return await self._generate_on(url, payload, weight)
             except EngineClientError as error:
-                if not _unreachable(error):
+                if not error.unreachable:
                     raise
                 self._mark_down(url)
                 errors.append(f"{url}: {error}")
@@ -195,7 +176,7 @@ class EngineRouter:
             try:
                 return await self._generate_on(url, payload, weight)
             except EngineClientError as error:
-                if not _engine_failed(error) or time.monotonic() > deadline:
+                if not error.engine_failed or time.monotonic() > deadline:
                     raise
                 self._dead.add(url)
                 self.num_retried += 1

@@ -1,5 +1,5 @@
-"""Engine clients share one SSL context per process: httpx would build one per client, loading the CA
-bundle each time (~20 ms), and the trainer opens a client per engine at every weight sync."""
+"""Engine clients share one SSL context per process: httpx (and aiohttp) would build one per client, loading
+the CA bundle each time (~20 ms), and the trainer opens a client per engine at every weight sync."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from clawrl.engine.http import client as client_module
 from clawrl.engine.http.client import AsyncEngineClient, EngineClient
 
 
-def test_every_client_and_pool_uses_one_ssl_context(monkeypatch):
+def test_every_client_and_session_uses_one_ssl_context(monkeypatch):
     built = []
     real = httpx.create_ssl_context
 
@@ -24,13 +24,15 @@ def test_every_client_and_pool_uses_one_ssl_context(monkeypatch):
     try:
         sync_clients = [EngineClient(f"http://127.0.0.1:{port}") for port in (1, 2, 3)]
 
-        async def open_pools():
-            async_client = AsyncEngineClient("http://127.0.0.1:4", connections_per_pool=1)
-            first, second = async_client._acquire(), async_client._acquire()  # two pools
-            assert async_client.num_pools == 2 and first != second
-            await async_client.aclose()
+        async def open_sessions():
+            clients = [AsyncEngineClient(f"http://127.0.0.1:{port}") for port in (4, 5)]
+            sessions = [c._session_for_loop() for c in clients]
+            assert sessions[0] is not sessions[1]
+            assert all(s.connector._ssl is client_module.shared_ssl_context() for s in sessions)
+            for c in clients:
+                await c.aclose()
 
-        asyncio.run(open_pools())
+        asyncio.run(open_sessions())
         assert len(built) == 1
         for c in sync_clients:
             c.close()

@@ -20,11 +20,13 @@ return an iterator (async iterator) of the parsed `data:` chunks, ending before 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp
 import httpx
 
 from clawrl import fast_json
@@ -37,13 +39,31 @@ is closing fails with ReadError — what a rollout after a long train step hit n
 
 
 class EngineClientError(RuntimeError):
-    """A failed call: HTTP status (None for connection errors and timeouts) and the server's message."""
+    """A failed call: HTTP status (None for connection errors and timeouts) and the server's message.
 
-    def __init__(self, message: str, *, status_code: int | None = None, route: str = "") -> None:
+    `failure` says how a call without an HTTP answer failed, the same for both clients (httpx, aiohttp):
+    "connect" (refused: nothing was sent), "connect_timeout" (no connection within the timeout: nothing was
+    sent), "dropped" (the connection broke while the call was in flight), "timeout" (no answer in time),
+    "protocol" (a malformed answer); None when the server answered with an HTTP error."""
+
+    def __init__(self, message: str, *, status_code: int | None = None, route: str = "",
+                 failure: str | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status_code = status_code
         self.route = route
         self.message = message
+        self.failure = failure
+
+    @property
+    def unreachable(self) -> bool:
+        """The call certainly did not run on that engine (another may take it)."""
+        return self.failure in ("connect", "connect_timeout") or self.status_code == 503
+
+    @property
+    def engine_failed(self) -> bool:
+        """The engine, not the request, failed: it refused or dropped the connection, or answered 502/503.
+        A timeout is not one: the engine may be slow, and the health monitor judges that."""
+        return self.failure in ("connect", "dropped") or self.status_code in (502, 503)
 
 
 @functools.cache
@@ -57,11 +77,11 @@ def _drop_none(body: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in body.items() if value is not None}
 
 
-def _server_message(response: httpx.Response) -> str:
+def _server_message(content: bytes, reason: str) -> str:
     try:
-        data = response.json()
+        data = json.loads(content)
     except ValueError:
-        return response.text.strip() or response.reason_phrase
+        return content.decode(errors="replace").strip() or reason
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict) and "message" in error:
@@ -73,16 +93,54 @@ def _server_message(response: httpx.Response) -> str:
     return json.dumps(data)
 
 
+def _status_error(route: str, status: int, reason: str, content: bytes) -> EngineClientError:
+    message = _server_message(content, reason)
+    return EngineClientError(f"{route} -> HTTP {status}: {message}", status_code=status, route=route)
+
+
 def _http_error(route: str, response: httpx.Response) -> EngineClientError:
-    message = _server_message(response)
-    return EngineClientError(f"{route} -> HTTP {response.status_code}: {message}",
-                             status_code=response.status_code, route=route)  # fmt: skip
+    return _status_error(route, response.status_code, response.reason_phrase, response.content)
+
+
+def _failure_error(route: str, error: BaseException, failure: str, timeout: float) -> EngineClientError:
+    if failure in ("timeout", "connect_timeout"):
+        message = f"{route} timed out after {timeout} s ({type(error).__name__})"
+    else:
+        message = f"{route} failed: {type(error).__name__}: {error}"
+    return EngineClientError(message, route=route, failure=failure)
 
 
 def _transport_error(route: str, error: httpx.HTTPError, timeout: float) -> EngineClientError:
-    if isinstance(error, httpx.TimeoutException):
-        return EngineClientError(f"{route} timed out after {timeout} s ({type(error).__name__})", route=route)
-    return EngineClientError(f"{route} failed: {type(error).__name__}: {error}", route=route)
+    """httpx's exceptions, by EngineClientError.failure."""
+    if isinstance(error, httpx.ConnectTimeout):
+        failure = "connect_timeout"
+    elif isinstance(error, httpx.TimeoutException):
+        failure = "timeout"
+    elif isinstance(error, httpx.ConnectError):
+        failure = "connect"
+    elif isinstance(error, httpx.TransportError):
+        failure = "dropped"
+    else:
+        failure = "protocol"
+    return _failure_error(route, error, failure, timeout)
+
+
+def _aiohttp_error(route: str, error: BaseException, timeout: float) -> EngineClientError:
+    """aiohttp's exceptions (and asyncio's timeout), by EngineClientError.failure."""
+    if isinstance(error, aiohttp.ConnectionTimeoutError):
+        failure = "connect_timeout"
+    elif isinstance(error, aiohttp.ClientConnectorError):
+        failure = "connect"
+    elif isinstance(error, TimeoutError):  # asyncio's total timeout, aiohttp's socket read timeout
+        failure = "timeout"
+    elif isinstance(error, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+        failure = "dropped"
+    else:
+        failure = "protocol"
+    return _failure_error(route, error, failure, timeout)
+
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def _sse_payload(route: str, line: str) -> Any:
@@ -287,98 +345,88 @@ class EngineClient(_Routes):
 
 
 class AsyncEngineClient(_Routes):
-    """asyncio client (httpx.AsyncClient): every method is awaited; streams are then async-iterated.
+    """asyncio client (aiohttp): every method is awaited; streams are then async-iterated.
 
-    Concurrent calls are spread over several connection pools (httpx.AsyncClient), each carrying at most
-    `connections_per_pool` calls at a time; more pools open as needed, so any number of calls run at once
-    (the caller bounds the concurrency: EngineRouter's max_concurrent_requests). One pool would not do:
-    httpx's default limit of 100 connections would hold a rollout's 256 requests back in the client (the
-    engine would batch only 100 of them), and without the limit httpcore's pool does work quadratic in its
-    connections at every request start and end (~10 ms of CPU per engine step at 256 requests:
-    bench/rollout_http_overhead.py).
+    One aiohttp session per event loop, opened at the first call, with no limit on connections: any number
+    of calls run at once (the caller bounds the concurrency: EngineRouter's max_concurrent_requests), so a
+    rollout's 256 requests all reach the engine together. aiohttp rather than httpx because a rollout's
+    client is on its critical path twice, sending every request at the start and parsing every answer at the
+    end: for 256 /generate calls of 128 prompt and 256 answer tokens, httpx's AsyncClient spent 1.3-2.1 ms
+    of CPU a call, aiohttp 0.2-0.45 ms (bench/rollout_http_overhead.py --client both, docs/benchmarks.md).
     """
 
-    def __init__(
-        self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S, *, connections_per_pool: int = 16
-    ) -> None:
-        if connections_per_pool < 1:
-            raise ValueError(f"connections_per_pool must be >= 1, got {connections_per_pool}")
+    def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self.connections_per_pool = connections_per_pool
-        self._pools: list[httpx.AsyncClient] = []
-        self._in_use: list[int] = []  # calls in flight per pool
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
 
-    @property
-    def num_pools(self) -> int:
-        """Connection pools opened so far (the most calls ever in flight at once / connections_per_pool)."""
-        return len(self._pools)
-
-    def _acquire(self) -> int:
-        """The pool for a new call: the least busy one, or a new one when all are full."""
-        in_use = self._in_use
-        index = min(range(len(in_use)), key=in_use.__getitem__, default=-1)
-        if index < 0 or in_use[index] >= self.connections_per_pool:
-            # No connection limit of its own: the accounting here only spreads the load.
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.connections_per_pool,
-                                  keepalive_expiry=KEEPALIVE_EXPIRY_S)  # fmt: skip
-            pool = httpx.AsyncClient(
-                base_url=self.base_url, timeout=self.timeout, limits=limits, verify=shared_ssl_context()
-            )
-            self._pools.append(pool)
-            in_use.append(0)
-            index = len(in_use) - 1
-        in_use[index] += 1
-        return index
-
-    def _release(self, index: int) -> None:
-        self._in_use[index] -= 1
+    def _session_for_loop(self) -> aiohttp.ClientSession:
+        """The session of the running loop; a new one if the loop changed (the old one is then dropped:
+        it cannot be closed from another loop, and its loop's end closed its sockets)."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session_loop is not loop or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S,
+                                             ssl=shared_ssl_context())  # fmt: skip
+            self._session = aiohttp.ClientSession(connector=connector)
+            self._session_loop = loop
+        return self._session
 
     async def _call(self, method: str, path: str, body: dict | None = None, *, stream: bool = False,
                     timeout: float | None = None) -> Any:  # fmt: skip
         timeout = self.timeout if timeout is None else timeout
         route = f"{method} {self.base_url}{path}"
-        index = self._acquire()
-        client, streaming = self._pools[index], False
+        session = self._session_for_loop()
+        # A stream's timeout bounds each chunk's wait; a plain call's, the whole call.
+        limits = (aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout) if stream
+                  else aiohttp.ClientTimeout(total=timeout))  # fmt: skip
+        data, headers = (None, None) if body is None else (fast_json.dumps(body), _JSON_HEADERS)
+        response = None
         try:
+            response = await session.request(method, self.base_url + path, data=data, headers=headers,
+                                             timeout=limits)  # fmt: skip
+            if response.status >= 400:
+                content = await response.read()
+                raise _status_error(route, response.status, response.reason or "", content)
             if stream:
-                request = client.build_request(method, path, json=body, timeout=timeout)
-                response = await client.send(request, stream=True)
-                if response.is_error:
-                    await response.aread()
-                    await response.aclose()
-                    raise _http_error(route, response)
-                streaming = True  # the stream releases the pool when it ends
-                return self._events(route, response, timeout, index)
-            response = await client.request(method, path, json=body, timeout=timeout)
-        except httpx.HTTPError as error:
-            raise _transport_error(route, error, timeout) from error
+                events, response = self._events(route, response, timeout), None  # the stream releases it
+                return events
+            return fast_json.loads(await response.read())
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise _aiohttp_error(route, error, timeout) from error
         finally:
-            if not streaming:
-                self._release(index)
-        if response.is_error:
-            raise _http_error(route, response)
-        return fast_json.loads(response.content)
+            if response is not None:
+                response.release()
 
     async def _events(
-        self, route: str, response: httpx.Response, timeout: float, index: int
+        self, route: str, response: aiohttp.ClientResponse, timeout: float
     ) -> AsyncIterator[Any]:
+        pending = b""
         try:
-            async for line in response.aiter_lines():
-                payload = _sse_payload(route, line)
-                if payload is _DONE:
-                    return
-                if payload is not None:
-                    yield payload
-        except httpx.HTTPError as error:
-            raise _transport_error(route, error, timeout) from error
+            async for chunk in response.content.iter_any():  # lines of any length (readline caps them)
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    payload = _sse_payload(route, line.decode().rstrip("\r"))
+                    if payload is _DONE:
+                        return
+                    if payload is not None:
+                        yield payload
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise _aiohttp_error(route, error, timeout) from error
         finally:
-            self._release(index)
-            await response.aclose()
+            response.release()
 
     async def aclose(self) -> None:
-        for pool in self._pools:
-            await pool.aclose()
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            loop = self._session_loop
+            if loop is asyncio.get_running_loop():
+                await session.close()
+            elif loop is not None and not loop.is_closed():
+                asyncio.run_coroutine_threadsafe(session.close(), loop)
+            else:  # its loop has ended, and with it the connections' sockets
+                session.detach()
 
     async def __aenter__(self) -> AsyncEngineClient:
         return self

@@ -192,7 +192,12 @@ def _token_id_list(value: Any) -> list[int]:
 
 def is_token_list(value: Any) -> bool:
     """A list of ints (bools excluded)."""
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    if not isinstance(value, list):
+        return False
+    if set(map(type, value)) <= {int}:  # the common case in one C-level pass
+        return True
+    # int subclasses other than bool (an IntEnum) pass here
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def clip_repr(value: Any, limit: int = 80) -> str:
