@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -265,7 +266,7 @@ class _ThreadProfiles:
 
         for name, profile in (("clawrl-engine (engine thread)", self.engine), ("HTTP event loop", self.loop)):
             print(f"\n--- {name}: CPU time (time.thread_time) by function, sorted by tottime ---")
-            pstats.Stats(profile).sort_stats("tottime").print_stats(top)
+            pstats.Stats(profile).sort_stats(os.environ.get("BENCH_SORT", "tottime")).print_stats(top)
 
 
 def _short_name(thread_name: str) -> str:

@@ -351,8 +351,9 @@ class AsyncEngineClient(_Routes):
     of calls run at once (the caller bounds the concurrency: EngineRouter's max_concurrent_requests), so a
     rollout's 256 requests all reach the engine together. aiohttp rather than httpx because a rollout's
     client is on its critical path twice, sending every request at the start and parsing every answer at the
-    end: for 256 /generate calls of 128 prompt and 256 answer tokens, httpx's AsyncClient spent 1.3-2.1 ms
-    of CPU a call, aiohttp 0.2-0.45 ms (bench/rollout_http_overhead.py --client both, docs/benchmarks.md).
+    end: for 256 /generate calls at once of 128 prompt and 256 answer tokens, httpx's AsyncClient (in
+    pools of 16 connections) spent 2.07 ms of CPU a call, this client 0.36 ms (bench/http_client_overhead.py
+    on the 2-core workstation; docs/benchmarks.md).
     """
 
     def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
