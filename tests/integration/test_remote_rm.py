@@ -127,4 +127,13 @@ def test_unreachable_url_fails_within_the_deadline():
     elapsed = time.monotonic() - start
     assert 0.9 <= elapsed < 2.0, elapsed
     message = str(info.value)
-    assert url in message and "ConnectError" in message and "deadline 1 s" in message
+    assert url in message and "ClientConnectorError" in message and "deadline 1 s" in message
+
+
+def test_a_url_that_is_not_http_fails_at_once_without_retries():
+    start = time.monotonic()
+    with pytest.raises(
+        RemoteRewardError, match=r"--rm-url 'ftp://127.0.0.1/reward' is not a usable http\(s\) URL"
+    ):
+        asyncio.run(_call(_fast("ftp://127.0.0.1/reward", deadline_s=30.0, max_attempts=100), Sample()))
+    assert time.monotonic() - start < 2.0
