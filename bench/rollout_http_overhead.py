@@ -269,6 +269,12 @@ class _ThreadProfiles:
             pstats.Stats(profile).sort_stats(os.environ.get("BENCH_SORT", "tottime")).print_stats(top)
 
 
+def _switch_profile(url: str, action: str) -> None:
+    response = httpx.post(f"{url}/_bench/profile/{action}", timeout=60)
+    if response.status_code != 200:  # (on the GPU machine's Python 3.12, `on` once answered 400: say why)
+        raise RuntimeError(f"--profile: switching {action} failed: {response.status_code} {response.text}")
+
+
 def _short_name(thread_name: str) -> str:
     return {"clawrl-engine": "engine_thread", "clawrl-engine-http": "http_thread"}[thread_name]
 
@@ -359,14 +365,14 @@ def _client_run(url: str, args, *, profile: bool) -> tuple[dict, float, dict[str
         if ready.strip() != "ready":
             raise RuntimeError(f"the client subprocess did not start (it said {ready!r}; see its stderr)")
         if profile:
-            httpx.post(f"{url}/_bench/profile/on", timeout=60).raise_for_status()
+            _switch_profile(url, "on")
         threads_before, start_cpu = _thread_cpu_s(_SERVER_THREADS), time.process_time()
         proc.stdin.write("go\n")
         proc.stdin.flush()
         out, _ = proc.communicate(timeout=args.timeout_s)
         server_cpu, threads_after = time.process_time() - start_cpu, _thread_cpu_s(_SERVER_THREADS)
         if profile:
-            httpx.post(f"{url}/_bench/profile/off", timeout=60).raise_for_status()
+            _switch_profile(url, "off")
     finally:
         if proc.poll() is None:
             proc.kill()

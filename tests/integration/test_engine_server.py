@@ -277,6 +277,34 @@ def test_bad_requests_get_400_naming_the_field_and_serving_continues(client, oai
     assert len(_greedy(client, [1, 2, 3], 3)["output_ids"]) == 3
 
 
+def test_generate_fast_path_answers_a_handler_bug_with_500_and_an_unavailable_engine_with_503(
+    server, client, monkeypatch
+):
+    # POST /generate skips FastAPI's router (GenerateFastPath); its failures must still be the app's JSON.
+    from clawrl.engine.http import generate as generate_module
+
+    async def broken(engine, req):
+        raise ZeroDivisionError("a bug in the handler")
+
+    async def unavailable(engine, req):
+        raise EngineUnavailableError("the engine thread died: injected")
+
+    monkeypatch.setattr(generate_module, "generate", broken)
+    bug = httpx.post(f"{server.url}/generate", json={"input_ids": [1, 2]}, timeout=10)
+    assert bug.status_code == 500 and bug.json()["error"] == {
+        "message": "a bug in the handler",
+        "type": "internal_error",
+        "code": 500,
+    }
+    monkeypatch.setattr(generate_module, "generate", unavailable)
+    down = httpx.post(f"{server.url}/generate", json={"input_ids": [1, 2]}, timeout=10)
+    assert down.status_code == 503 and down.json()["error"]["type"] == "engine_unavailable"
+    assert "injected" in down.json()["message"]
+    monkeypatch.undo()
+    assert httpx.get(f"{server.url}/generate", timeout=10).status_code == 405  # other methods: the router's
+    assert len(_greedy(client, [1, 2, 3], 3)["output_ids"]) == 3
+
+
 def test_unreachable_server_is_a_clear_client_error():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
