@@ -388,6 +388,18 @@ def test_client_disconnect_aborts_its_request(server, client):
     assert len(_greedy(client, [1, 2], 2)["output_ids"]) == 2
 
 
+def test_a_non_streaming_client_that_times_out_aborts_its_request(server, client):
+    aengine = server.app.state.engine
+    body = {"input_ids": [13, 15], "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{server.url}/generate", json=body, timeout=httpx.Timeout(10, read=0.5))
+    deadline = time.monotonic() + 2.5
+    while aengine.num_requests or aengine.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the request kept running after its client went away"
+        time.sleep(0.05)
+    assert len(_greedy(client, [1, 2], 2)["output_ids"]) == 2
+
+
 def test_weight_update_from_disk_changes_outputs_and_bumps_the_version(client, models):
     prompt = [21, 22, 23, 24]
     before = _greedy(client, prompt, 10)

@@ -98,10 +98,38 @@ class GenerateFastPath:
             return
         request = Request(scope, receive)
         try:
-            response = await generate.generate_route(request)
+            await request.body()  # read (and cached) before the watch below takes over `receive`
+            response = await _unless_client_leaves(generate.generate_route(request), receive)
         except (RequestError, EngineUnavailableError) as error:  # the app's handlers for these; others -> 500
             response = await _error_response(request, error)
-        await response(scope, receive, send)
+        if response is not None:
+            await response(scope, receive, send)
+
+
+async def _unless_client_leaves(handler: Any, receive: Any) -> Any:
+    """Await `handler`; if the client disconnects first, cancel it and return None. A cancelled generation
+    aborts its engine request (AsyncEngine.generate_full), so a client that timed out or died does not leave
+    its samples decoding for no one (a stream's disconnect is StreamingResponse's to notice)."""
+    task = asyncio.current_task()
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        left = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await handler
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        task.uncancel()
+        return None
+    finally:
+        watcher.cancel()
 
 
 # ---------------------------------------------------------------------------------------------------
