@@ -50,6 +50,7 @@ FROZEN_FLAGS = [
     "--disable-rewards-normalization",
     "--dump-details",
     "--dynamic-sampling-filter-path",
+    "--engine-http-process",
     "--engine-start-timeout",
     "--entropy-coef",
     "--eps-clip",
