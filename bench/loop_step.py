@@ -12,9 +12,6 @@ samples (tests/integration/loop_reward.py), so every step updates the weights. R
   colocate-late-onload
                --colocate --disable-onload-during-rollout: the trainer offloads after every step and onloads
                only after the engine released its memory
-  colocate-inproc-http
-               --colocate --engine-http-process off: the engine serves HTTP from its own process, without
-               the front-end process GPU engines use by default (the behaviour before it, for comparison)
   no-offload   --colocate --no-offload-train --no-offload-rollout: both stay resident on the one GPU (what
                "split" can be on a single GPU: clawrl's split placement needs trainer GPUs + engine GPUs)
   split        trainer and engine on GPUs of their own (needs >= 2 GPUs; "n/a" otherwise)
@@ -95,8 +92,6 @@ WORKLOADS = {
 MODES = {
     "colocate": ["--colocate"],
     "colocate-late-onload": ["--colocate", "--disable-onload-during-rollout"],
-    # the engine's HTTP in its own process (the default before the front-end process; on GPUs it is now on)
-    "colocate-inproc-http": ["--colocate", "--engine-http-process", "off"],
     "no-offload": ["--colocate", "--no-offload-train", "--no-offload-rollout"],
     "split": ["--rollout-num-gpus", "1"],
     "cpu": [],

@@ -66,8 +66,10 @@ def prompt_ids(i: int, prompt_len: int) -> list[int]:
 
 
 def new_tokens(i: int, args) -> int:
-    """Request i's max_new_tokens: --new-tokens, or spread over [--min-new-tokens, --new-tokens]."""
+    """Request i's max_new_tokens: --new-tokens, or spread over [--min-new-tokens, --new-tokens]; the same for
+    every sample of a --group-size group (one batch request carries one set of sampling params)."""
     low = args.new_tokens if args.min_new_tokens is None else args.min_new_tokens
+    i -= i % args.group_size
     return low + (i * 7919) % (args.new_tokens - low + 1)
 
 
@@ -136,7 +138,7 @@ def client_main(url: str, args) -> None:
 class _StepCounter:
     """Counts Engine.step calls and the time inside them; times the steady phase (steps that start with the
     whole batch running and nothing waiting: the HTTP server's requests report only when they finish, so
-    outputs cannot tell) by perf_counter, which is CLOCK_MONOTONIC: comparable with the client's."""
+    their outputs cannot tell) by perf_counter, which is CLOCK_MONOTONIC: comparable with the client's."""
 
     def __init__(self, engine, batch: int) -> None:
         self.calls, self.inside_s = 0, 0.0
@@ -313,46 +315,30 @@ def run_inprocess(args, engines: _Engines) -> dict:
     return _result("in-process", tokens, start, end, counter, server_cpu_s=cpu)
 
 
-def run_http(args, engines: _Engines, profiles: _ThreadProfiles | None, *, frontend: bool = False) -> dict:
-    """The rollout path: server threads here, the client in a subprocess; with `frontend`, behind the HTTP
-    front-end process (http/frontend.py) as GPU engines serve by default."""
+def run_http(args, engines: _Engines, profiles: _ThreadProfiles | None) -> dict:
+    """The rollout path: server threads here, the client in a subprocess."""
     from clawrl.engine.async_engine import AsyncEngine
     from clawrl.engine.http.app import ServerThread, create_app
     from clawrl.engine.http.client import EngineClient
-    from clawrl.engine.http.frontend import FrontendServer
 
     engine = engines.get()
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine)
     if profiles is not None:
         profiles.install(app, async_engine)
-    server = FrontendServer(ServerThread(app), async_engine) if frontend else ServerThread(app)
-    with server, EngineClient(server.url, timeout=60) as control:
+    with ServerThread(app) as server, EngineClient(server.url, timeout=60) as control:
         # First-call costs (imports, first tokenizer use) out of the way.
         control.generate(
             input_ids=prompt_ids(args.batch, args.prompt_len), sampling_params={"max_new_tokens": 2}
         )
         counter = _StepCounter(engine, args.batch)
-        front_pid = server.process.pid if frontend else None
-        front_before = _process_cpu_s(front_pid)
         measured = _client_run(server.url, args, profile=profiles is not None)
-        front_cpu = {"frontend_cpu_s": _process_cpu_s(front_pid) - front_before} if frontend else {}
     client, server_cpu, threads_cpu = measured
     expected = sum(new_tokens(i, args) for i in range(args.batch))
     if client["tokens"] != expected:
         raise RuntimeError(f"the client received {client['tokens']} tokens, expected {expected}")
-    kind = "HTTP+front" if frontend else "HTTP"
-    return _result(kind, client["tokens"], client["start"], client["end"], counter, server_cpu_s=server_cpu,
-                   client_cpu_s=client["cpu_s"], **front_cpu, **threads_cpu)  # fmt: skip
-
-
-def _process_cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of process `pid` so far (/proc; 0 for None)."""
-    if pid is None:
-        return 0.0
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _result("HTTP", client["tokens"], client["start"], client["end"], counter, server_cpu_s=server_cpu,
+                   client_cpu_s=client["cpu_s"], **threads_cpu)  # fmt: skip
 
 
 def _client_run(url: str, args, *, profile: bool) -> tuple[dict, float, dict[str, float]]:
@@ -422,8 +408,7 @@ def _result(kind: str, tokens: int, start: float, end: float, counter: _StepCoun
 
 
 _CPU_LABELS = {"server_cpu_ms_per_step": "server process", "engine_thread_cpu_ms_per_step": "engine thread",
-               "http_thread_cpu_ms_per_step": "HTTP thread", "frontend_cpu_ms_per_step": "front-end process",
-               "client_cpu_ms_per_step": "client process"}  # fmt: skip
+               "http_thread_cpu_ms_per_step": "HTTP thread", "client_cpu_ms_per_step": "client process"}  # fmt: skip
 
 
 def _print(result: dict) -> None:
@@ -477,8 +462,6 @@ def main() -> None:
     )
     p.add_argument("--device", default="cuda", help="--shape: the real engine's device (cpu: a smoke test)")
     p.add_argument("--workdir", default="/tmp/clawrl-bench-engine", help="--shape: checkpoint directory")
-    p.add_argument("--frontend", choices=("both", "off", "only"), default="both",
-                   help="HTTP runs in one process (off), behind the HTTP front-end process (only), or both")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="runs of each path, alternating; all are printed")
     p.add_argument("--profile", action="store_true", help="cProfile the server threads (HTTP runs)")
     p.add_argument("--top", type=int, default=25, help="--profile rows per table")
@@ -505,19 +488,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engines = _Engines(args, Path(tmp))
         for _ in range(args.repeats):
-            for run in (
-                lambda: run_inprocess(args, engines),
-                *([lambda: run_http(args, engines, profiles)] if args.frontend != "only" else []),
-                *(
-                    [lambda: run_http(args, engines, profiles, frontend=True)]
-                    if args.frontend != "off"
-                    else []
-                ),
-            ):
-                result = run()
+            for result in (run_inprocess(args, engines), run_http(args, engines, profiles)):
                 _print(result)
                 runs.append(result)
-    for kind in sorted({r["kind"] for r in runs}, key=[r["kind"] for r in runs].index):
+    for kind in ("in-process", "HTTP"):
         best = max((r for r in runs if r["kind"] == kind), key=lambda r: r["tok_per_s"])
         tok_s = sorted(r["tok_per_s"] for r in runs if r["kind"] == kind)
         print(

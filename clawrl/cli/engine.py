@@ -48,9 +48,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--step-timeout-s", type=float, default=300.0,
                    help="an engine step running longer than this fails all requests, dumping stacks")  # fmt: skip
-    p.add_argument("--http-frontend-process", choices=("auto", "on", "off"), default="auto",
-                   help="parse requests and build answers in a front-end process of their own, so the engine's "
-                        "step loop never waits for the GIL behind them (auto: on with cuda)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
     return p
@@ -102,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
             max_running_requests=args.max_running_requests, context_length=args.context_length,
             enable_cuda_graph=not args.disable_cuda_graph and device == "cuda", tp_size=args.tp_size,
             true_on_policy_mode=args.true_on_policy_mode,
-            http_frontend_process={"on": True, "off": False}.get(args.http_frontend_process),
         )  # fmt: skip
         serve(config, host=args.host, port=args.port, step_timeout_s=args.step_timeout_s,
               served_model_name=args.served_model_name, log_level=args.log_level,

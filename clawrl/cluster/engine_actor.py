@@ -13,8 +13,7 @@ import ray
 
 @ray.remote
 class EngineActor:
-    """Builds Engine -> AsyncEngine -> FastAPI app -> uvicorn thread (behind a front-end process when
-    EngineConfig.frontend_process); `start()` returns the base URL."""
+    """Builds Engine -> AsyncEngine -> FastAPI app -> uvicorn thread; `start()` returns the base URL."""
 
     def __init__(self, config: dict, *, num_threads: int | None = None, label: str = "engine",
                  multi_node: bool = False):  # fmt: skip
@@ -59,19 +58,7 @@ class EngineActor:
             import torch
 
             torch.cuda.set_device(0)  # Ray exposes exactly the GPU of this actor's bundle as device 0
-        if not config.frontend_process:
-            self.server = ServerThread(create_app(AsyncEngine(Engine(config))), host=self.host).start()
-            return self.server.url
-        from clawrl.engine.http.frontend import FrontendServer
-
-        # The HTTP front end in a process of its own (on by default on GPUs), started while the engine loads.
-        front = FrontendServer.launch(config.model_path, host=self.host)
-        try:
-            async_engine = AsyncEngine(Engine(config))
-            self.server = front.start(ServerThread(create_app(async_engine)), async_engine)
-        except BaseException:
-            front.stop()
-            raise
+        self.server = ServerThread(create_app(AsyncEngine(Engine(config))), host=self.host).start()
         return self.server.url
 
     def stop(self) -> None:

@@ -39,8 +39,6 @@ class EngineFlagsConfig:
     """Schedule step t + 1 only after step t's tokens are back (GPU; the overlap is off on CPU anyway)."""
     attention_backend: Literal["triton", "torch"] = "triton"
     """Engine attention on GPU: triton (paged kernels) or torch (the reference path: slow, for debugging)."""
-    engine_http_process: Literal["auto", "on", "off"] = "auto"
-    """Each engine's HTTP front end in a process of its own, off the engine's GIL: auto = on for GPU engines."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -59,7 +57,6 @@ class EngineFlagsConfig:
             "max_num_batched_tokens": self.sglang_chunked_prefill_size,
             "block_size": self.sglang_page_size,
             "enable_overlap_schedule": False if self.sglang_disable_overlap_schedule else None,
-            "http_frontend_process": {"on": True, "off": False}.get(self.engine_http_process),
         }
         return {name: value for name, value in sizes.items() if value is not None}
 

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Container
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -206,11 +206,6 @@ class AsyncEngine(ControlAPI):
         # Engine thread -> loop: lists of (request id, event); a drain callback is queued and not started.
         self._outbox: collections.deque[list[tuple[str, Any]]] = collections.deque()
         self._drain_scheduled = False
-        # Requests of the HTTP front-end process (http/frontend.py): their events go to `_remote_post`
-        # on the engine thread instead of this loop; `_remote_fail` tells it the engine died.
-        self._remote_rids: set[str] = set()
-        self._remote_post: Callable[[list[tuple[str, Any]]], None] | None = None
-        self._remote_fail: Callable[[BaseException], None] | None = None
         # Below: touched only by the engine thread.
         self._live: dict[str, _Live] = {}
         self._pending: dict[str, _Pending] = {}
@@ -287,8 +282,8 @@ class AsyncEngine(ControlAPI):
 
     @property
     def num_requests(self) -> int:
-        """Requests this server is working on (running, queued or paused), its front end's included."""
-        return len(self._streams) + len(self._remote_rids)
+        """Requests this server is working on (running, queued or paused)."""
+        return len(self._streams)
 
     def check_alive(self) -> None:
         """Raise EngineUnavailableError when requests cannot be served."""
@@ -304,7 +299,14 @@ class AsyncEngine(ControlAPI):
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> str:
         """Validate a new request; returns its id (a fresh one when none is given)."""
-        return check_new_request(self, prompt_ids, params, request_id, in_flight=self._streams)
+        self.check_alive()
+        rid = request_id or uuid.uuid4().hex
+        params.validate()
+        check_prompt(prompt_ids, field="prompt_ids", vocab_size=self.vocab_size, context_len=self.context_len,
+                     max_new_tokens=params.max_new_tokens)  # fmt: skip
+        if rid in self._streams:
+            raise RequestError(f"rid {rid!r} is already used by a request in flight")
+        return rid
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -464,15 +466,7 @@ class AsyncEngine(ControlAPI):
 
     def _post(self, events: list[tuple[str, Any]]) -> None:
         """Hand events to the loop (engine thread): a drain queued and not started yet takes them too (its
-        flag is cleared before it drains the deque, so no event is left behind). The front-end process's
-        events go to it from here, on the engine thread."""
-        if events and self._remote_rids:
-            remote_rids, remote, local = self._remote_rids, [], []
-            for event in events:
-                (remote if event[0] in remote_rids else local).append(event)
-            if remote:
-                self._remote_post(remote)  # (it forgets these rids: split first)
-            events = local
+        flag is cleared before it drains the deque, so no event is left behind)."""
         if not events or self._loop is None:
             return
         self._outbox.append(events)
@@ -507,8 +501,6 @@ class AsyncEngine(ControlAPI):
         self._fail_everything(self._fatal)
 
     def _fail_everything(self, error: EngineUnavailableError) -> None:
-        if self._remote_fail is not None:
-            self._remote_fail(error)
         current = self._current
         if current is not None:
             _fail(current.future, error)
@@ -520,21 +512,6 @@ class AsyncEngine(ControlAPI):
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._fail_streams, error)
-
-
-def check_new_request(server: Any, prompt_ids: list[int], params: SamplingParams, request_id: str | None, *,
-                      in_flight: Container[str]) -> str:  # fmt: skip
-    """The checks of a new request, for AsyncEngine and the HTTP front end's stand-in for it (`server`: its
-    check_alive, vocab_size, context_len): alive, valid values, a prompt the model takes, a rid not
-    `in_flight`. Returns the rid (a fresh one when none is given)."""
-    server.check_alive()
-    rid = request_id or uuid.uuid4().hex
-    params.validate()
-    check_prompt(prompt_ids, field="prompt_ids", vocab_size=server.vocab_size, context_len=server.context_len,
-                 max_new_tokens=params.max_new_tokens)  # fmt: skip
-    if rid in in_flight:
-        raise RequestError(f"rid {rid!r} is already used by a request in flight")
-    return rid
 
 
 def _deliver(sink: asyncio.Queue | asyncio.Future, event: Any) -> None:

@@ -65,11 +65,6 @@ class EngineConfig:
     model_impl: str = "auto"
     """Model code: "native" (clawrl/models), "hf" (transformers' forward, runner/hf_runner.py: slower, any
     causal LM) or "auto" (native when clawrl implements the architecture, else hf)."""
-    http_frontend_process: bool | None = None
-    """Serve HTTP from a front-end process of its own (http/frontend.py): it parses the rollout's
-    /generate requests and builds their answers, so the engine thread's host work between GPU steps never
-    waits for the GIL behind them. None (the default) means on for a CUDA device, off on CPU. Read by the
-    server (clawrl/cluster/engine_actor.py, `clawrl engine`), not by the core."""
     tp_size: int = 1
     """Tensor-parallel ranks (1, 2, 4 or 8; --rollout-num-gpus-per-engine): this process is rank 0 and starts
     the others (runner/cpu_runner.py); attention heads and MLP columns are split over them
@@ -105,17 +100,11 @@ class EngineConfig:
             )
         if self.true_on_policy_mode:
             _check_true_on_policy(self)
-        for name in ("enable_overlap_schedule", "http_frontend_process"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"EngineConfig.{name} must be true, false or null (auto), got {value!r}")
-
-    @property
-    def frontend_process(self) -> bool:
-        """Whether the server runs its HTTP front end in a process of its own: None = on for CUDA."""
-        if self.http_frontend_process is None:
-            return self.device.startswith("cuda")
-        return self.http_frontend_process
+        if self.enable_overlap_schedule is not None and not isinstance(self.enable_overlap_schedule, bool):
+            raise ValueError(
+                f"EngineConfig.enable_overlap_schedule must be true, false or null (auto), "
+                f"got {self.enable_overlap_schedule!r}"
+            )
 
     @property
     def overlap_schedule(self) -> bool:

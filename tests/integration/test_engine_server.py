@@ -1,6 +1,5 @@
 """The engine's HTTP server, for real: uvicorn on 127.0.0.1, a tiny fp32 model on CPU, used through
 EngineClient / AsyncEngineClient and through the official `openai` package; `clawrl engine` as a subprocess.
-Each test runs twice: in-process HTTP, and behind the HTTP front-end process.
 
 One server serves the whole module (tests that change its state restore it). Model "a" is served; model
 "b" (same tokenizer, other seed) is the checkpoint weight updates load.
@@ -24,7 +23,6 @@ from clawrl.engine.config import EngineConfig
 from clawrl.engine.core.engine import Engine
 from clawrl.engine.core.request import SamplingParams
 from clawrl.engine.http.client import AsyncEngineClient, EngineClient, EngineClientError
-from clawrl.engine.http.frontend import FrontendServer
 from clawrl.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -53,11 +51,9 @@ def models(tmp_path_factory):
     return str(model_a), str(model_b)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["in-process", "frontend-process"])
-def server(models, request):
-    """Every test runs against both servers: HTTP in the engine's process, and the front-end process that
-    serves /generate itself and passes the rest through (http/frontend.py)."""
-    with cpu_server(models[0], frontend_process=request.param) as running:
+@pytest.fixture(scope="module")
+def server(models):
+    with cpu_server(models[0]) as running:
         yield running
 
 
@@ -286,11 +282,6 @@ def test_generate_fast_path_answers_a_handler_bug_with_500_and_an_unavailable_en
 ):
     # POST /generate skips FastAPI's router (GenerateFastPath); its failures must still be the app's JSON.
     from clawrl.engine.http import generate as generate_module
-
-    if isinstance(server, FrontendServer):
-        pytest.skip(
-            "patches this process's handler; the front end's own 500 is tested in test_engine_frontend.py"
-        )
 
     async def broken(engine, req):
         raise ZeroDivisionError("a bug in the handler")

@@ -66,18 +66,9 @@ def undisturbed(assets, ray_session, tmp_path_factory):
     return _run("train", *_flags(assets, out, 2))
 
 
-# Both ways an engine serves HTTP: in its own process, and behind its front-end process (the GPU default),
-# which must go away with the engine, and freeze with it, as the one process did.
-FRONT_ENDS = pytest.mark.parametrize("front_end", ["off", "on"], ids=["in-process-http", "frontend-process"])
-
-
-@FRONT_ENDS
-def test_engine_killed_at_rollout_2_is_replaced_with_nothing_lost(
-    assets, ray_session, undisturbed, tmp_path, front_end
-):
+def test_engine_killed_at_rollout_2_is_replaced_with_nothing_lost(assets, ray_session, undisturbed, tmp_path):
     out = tmp_path / "killed"
-    rows = _run("train", *_flags(assets, out, 4, "--use-fault-tolerance", "--engine-http-process", front_end))
-    # (--ci-test: kill engine 0 at rollout 2)
+    rows = _run("train", *_flags(assets, out, 4, "--use-fault-tolerance"))  # --ci-test: kill engine 0 at 2
     assert _samples_per_rollout(out, 4) == [SAMPLES_PER_ROLLOUT] * 4
     assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
     assert rows[2]["rollout/requests_retried"] >= 1  # requests in flight on engine 0 were re-sent
@@ -88,13 +79,10 @@ def test_engine_killed_at_rollout_2_is_replaced_with_nothing_lost(
         _same_rollouts(a, b)
 
 
-@FRONT_ENDS
-def test_hung_engine_is_detected_by_the_deadline_and_replaced(
-    assets, ray_session, undisturbed, tmp_path, front_end
-):
+def test_hung_engine_is_detected_by_the_deadline_and_replaced(assets, ray_session, undisturbed, tmp_path):
     out = tmp_path / "hung"
     rows = _run("train", *_flags(assets, out, 3, "--use-fault-tolerance", "--fault-injection",
-                                 "engine=1,rollout=2,mode=hang", "--engine-http-process", front_end))  # fmt: skip
+                                 "engine=1,rollout=2,mode=hang"))  # fmt: skip
     assert _samples_per_rollout(out, 3) == [SAMPLES_PER_ROLLOUT] * 3
     assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 0.0, 1.0]
     assert rows[2]["rollout/requests_retried"] >= 1  # the frozen engine's requests finished elsewhere

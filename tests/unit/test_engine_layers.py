@@ -1,4 +1,4 @@
-"""The engine's layout: three layers (core, runner, http), at most 21 modules, a server that does not pull in
+"""The engine's layout: three layers (core, runner, http), at most 20 modules, a server that does not pull in
 the trainer side, and commands dispatched through an explicit table.
 
     .venv/bin/pytest tests/unit/test_engine_layers.py -q
@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 ENGINE_DIR = Path(__file__).resolve().parents[2] / "clawrl" / "engine"
-# 20 until the HTTP front-end process (http/frontend.py: both of its halves in one module) made it 21.
-MAX_MODULES = 21
+MAX_MODULES = 20
 # Trainer-side code the inference server must not load: the weight senders and the trainer itself.
 FORBIDDEN_PREFIXES = ("clawrl.trainer", "clawrl.weight_sync.broadcast", "clawrl.weight_sync.colocated")
 
@@ -37,7 +36,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_engine_has_at_most_21_modules_in_three_layers():
+def test_engine_has_at_most_20_modules_in_three_layers():
     modules = _modules()
     assert len(modules) <= MAX_MODULES, f"{len(modules)} engine modules (at most {MAX_MODULES}): {modules}"
     layers = {Path(m).parts[0] for m in modules if len(Path(m).parts) > 1}

@@ -50,7 +50,6 @@ FROZEN_FLAGS = [
     "--disable-rewards-normalization",
     "--dump-details",
     "--dynamic-sampling-filter-path",
-    "--engine-http-process",
     "--engine-start-timeout",
     "--entropy-coef",
     "--eps-clip",

@@ -119,21 +119,18 @@ def test_engine_sizing_flags_reach_each_engine_config():
 
     job = parse(
         "--sglang-chunked-prefill-size", "512", "--sglang-page-size", "32", "--sglang-max-total-tokens", "1000",
-        "--sglang-disable-overlap-schedule", "--sglang-max-running-requests", "5", "--engine-http-process", "on",
+        "--sglang-disable-overlap-schedule", "--sglang-max-running-requests", "5",
     )  # fmt: skip
     plan = plan_placement(job.resources, cluster_gpus=0)
     config = engine_config(job, plan, 0)
     assert config["max_num_batched_tokens"] == 512 and config["block_size"] == 32
     assert config["num_kv_blocks"] == 32  # ceil(1000 / 32): whole pages
     assert config["enable_overlap_schedule"] is False and config["max_running_requests"] == 5
-    assert config["http_frontend_process"] is True
-    assert engine_config(parse("--engine-http-process", "off"), plan, 0)["http_frontend_process"] is False
     assert config["dtype"] == "float32" and config["device"] == "cpu"
     # the engine's own page size (16) when only the token count is given: ceil(1000 / 16) = 63
     assert engine_config(parse("--sglang-max-total-tokens", "1000"), plan, 0)["num_kv_blocks"] == 63
     defaults = engine_config(parse(), plan, 0)
-    for name in ("max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_overlap_schedule",
-                 "http_frontend_process"):  # fmt: skip
+    for name in ("max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_overlap_schedule"):
         assert name not in defaults, name  # unset flags leave the engine's defaults
 
 

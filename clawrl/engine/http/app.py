@@ -46,15 +46,7 @@ from pydantic import model_validator
 from clawrl.engine.async_engine import AsyncEngine, EngineUnavailableError
 from clawrl.engine.core.request import RequestError, SamplingParams
 from clawrl.engine.http import generate, openai
-from clawrl.engine.http.generate import (
-    LenientRequest,
-    RequestModel,
-    error_body,
-    error_response,
-    format_validation_error,
-    read_request,
-    unless_client_leaves,
-)
+from clawrl.engine.http.generate import LenientRequest, RequestModel, format_validation_error, read_request
 from clawrl.engine.weight_receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
@@ -82,10 +74,10 @@ def create_app(async_engine: AsyncEngine) -> FastAPI:
     app.include_router(generate.router)
     app.include_router(openai.router)
     app.include_router(router)
-    app.add_exception_handler(RequestError, error_response)
-    app.add_exception_handler(EngineUnavailableError, error_response)
+    app.add_exception_handler(RequestError, _error_response)
+    app.add_exception_handler(EngineUnavailableError, _error_response)
     app.add_exception_handler(RequestValidationError, _validation_error_response)
-    app.add_exception_handler(Exception, error_response)
+    app.add_exception_handler(Exception, _error_response)
     app.add_middleware(GenerateFastPath)
     return app
 
@@ -107,11 +99,37 @@ class GenerateFastPath:
         request = Request(scope, receive)
         try:
             await request.body()  # read (and cached) before the watch below takes over `receive`
-            response = await unless_client_leaves(generate.generate_route(request), receive)
+            response = await _unless_client_leaves(generate.generate_route(request), receive)
         except (RequestError, EngineUnavailableError) as error:  # the app's handlers for these; others -> 500
-            response = await error_response(request, error)
+            response = await _error_response(request, error)
         if response is not None:
             await response(scope, receive, send)
+
+
+async def _unless_client_leaves(handler: Any, receive: Any) -> Any:
+    """Await `handler`; if the client disconnects first, cancel it and return None. A cancelled generation
+    aborts its engine request (AsyncEngine.generate_full), so a client that timed out or died does not leave
+    its samples decoding for no one (a stream's disconnect is StreamingResponse's to notice)."""
+    task = asyncio.current_task()
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        left = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await handler
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        task.uncancel()
+        return None
+    finally:
+        watcher.cancel()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -122,9 +140,21 @@ def _engine(request: Request) -> AsyncEngine:
     return request.app.state.engine
 
 
+def _error_body(message: str, kind: str, status: int) -> dict:
+    return {"error": {"message": message, "type": kind, "code": status}, "message": message}
+
+
+async def _error_response(request: Request, error: Exception) -> JSONResponse:
+    status = getattr(error, "status_code", 500)
+    if status >= 500:  # (uvicorn logs the traceback of a 500 itself)
+        logger.error("%s %s failed: %r", request.method, request.url.path, error)
+    kind = {400: "invalid_request_error", 503: "engine_unavailable"}.get(status, "internal_error")
+    return JSONResponse(_error_body(str(error), kind, status), status_code=status)
+
+
 async def _validation_error_response(request: Request, error: RequestValidationError) -> JSONResponse:
     message = format_validation_error(list(error.errors()))
-    return JSONResponse(error_body(message, "invalid_request_error", 400), status_code=400)
+    return JSONResponse(_error_body(message, "invalid_request_error", 400), status_code=400)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -411,16 +441,7 @@ def serve(config: Any, host: str = "127.0.0.1", port: int = 30000, *, step_timeo
     )
     app = create_app(async_engine)
     app.state.reasoning_parser = reasoning_parser
-    if not config.frontend_process:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
-        return
-    from clawrl.engine.http.frontend import FrontendServer
-
-    inner = ServerThread(app, log_level=log_level)
-    with FrontendServer(inner, async_engine, host=host, port=port, log_level=log_level) as server:
-        logger.info("serving on %s (HTTP front end: pid %d)", server.url, server.process.pid)
-        with contextlib.suppress(KeyboardInterrupt):
-            server.process.wait()  # until interrupted (or the front end dies)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
 
 
 class ServerThread:

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from clawrl import fast_json
@@ -53,8 +52,6 @@ from clawrl.engine.core.request import (
     check_prompt,
     sampling_value_errors,
 )
-
-logger = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -533,49 +530,6 @@ def encode_text(engine: AsyncEngine, text: str, field: str, *, add_special_token
 def token_text(tokenizer: Any, token: int) -> str:
     """The text of one token, special tokens included (empty without a tokenizer)."""
     return "" if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
-
-
-# ---------------------------------------------------------------------------------------------------
-# error answers and the client-disconnect watch (the engine's app and its front-end process answer alike:
-# 400 for a bad request, the message naming the field; 503 when the engine cannot serve; 500 for a bug)
-
-
-def error_body(message: str, kind: str, status: int) -> dict:
-    return {"error": {"message": message, "type": kind, "code": status}, "message": message}
-
-
-async def error_response(request: Request, error: Exception) -> JSONResponse:
-    status = getattr(error, "status_code", 500)
-    if status >= 500:  # (uvicorn logs the traceback of a 500 itself)
-        logger.error("%s %s failed: %r", request.method, request.url.path, error)
-    kind = {400: "invalid_request_error", 503: "engine_unavailable"}.get(status, "internal_error")
-    return JSONResponse(error_body(str(error), kind, status), status_code=status)
-
-
-async def unless_client_leaves(handler: Any, receive: Any) -> Any:
-    """Await `handler`; if the client disconnects first, cancel it and return None. A cancelled generation
-    aborts its engine request (AsyncEngine.generate_full), so a client that timed out or died does not leave
-    its samples decoding for no one (a stream's disconnect is StreamingResponse's to notice)."""
-    task = asyncio.current_task()
-    left = False
-
-    async def watch() -> None:
-        nonlocal left
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        left = True
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await handler
-    except asyncio.CancelledError:
-        if not left:
-            raise
-        task.uncancel()
-        return None
-    finally:
-        watcher.cancel()
 
 
 # ---------------------------------------------------------------------------------------------------
