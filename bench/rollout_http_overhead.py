@@ -145,7 +145,6 @@ class _StepCounter:
         self.full_steps, self.first_full, self.last_full = 0, None, None
         self.cpu_first, self.cpu_last = {}, {}  # server threads' CPU clocks at the steady phase's ends
         inner = type(engine).step.__get__(engine)  # the class's: counters of earlier runs drop out
-
         scheduler = engine.scheduler
 
         def step():
