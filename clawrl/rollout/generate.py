@@ -18,12 +18,16 @@ Seeds: a request without a seed gets `--rollout-seed + sample.index`, so a rollo
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from typing import Any
 
 from clawrl.data.chat import encode_text
 from clawrl.data.sample import Sample, Status
 from clawrl.rollout.context import rollout_context
+
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def train_sampling_params(args: Any) -> dict[str, Any]:
@@ -158,8 +162,9 @@ def apply_output(sample: Sample, output: dict[str, Any]) -> None:
             f"sample {sample.index}: the engine's /generate response has no meta_info.output_token_logprobs "
             "although return_logprob was requested"
         )
-    token_ids = [int(pair[1]) for pair in pairs]
-    log_probs = [float(pair[0]) for pair in pairs]
+    # Every token of every sample passes here, on the rollout's event loop: conversions by map, in C.
+    token_ids = list(map(int, map(_SECOND, pairs)))
+    log_probs = list(map(float, map(_FIRST, pairs)))
     sample.append_response(token_ids, log_probs, output.get("text", ""))
     versions = segment_versions(meta, len(token_ids))
     sample.weight_versions.extend(versions[:-1])
@@ -179,8 +184,4 @@ def segment_versions(meta: dict[str, Any], num_tokens: int) -> list[str]:
     if not per_token:
         version = meta.get("weight_version")
         return [] if version is None else [str(version)]
-    runs: list[str] = []
-    for version in map(str, per_token):
-        if not runs or runs[-1] != version:
-            runs.append(version)
-    return runs
+    return [version for version, _ in itertools.groupby(map(str, per_token))]

@@ -1,5 +1,7 @@
 """Request validation of the engine's HTTP API: every bad field gives one message naming it and its value."""
 
+import re
+
 import pytest
 
 from clawrl.engine.core.request import RequestError, check_prompt
@@ -176,3 +178,52 @@ def test_check_prompt_fits_the_context():
     assert check_prompt([1] * 2000, max_new_tokens=8, **kwargs) == 8
     assert check_prompt([1] * 2000, max_new_tokens=100, **kwargs) == 48  # clamped to the context, like SGLang
     assert check_prompt([1] * 2000, max_new_tokens=-1, **kwargs) == 48  # -1: as many as fit
+
+
+# --- the default-value shortcut of the rule table ---------------------------------------------------------
+
+
+def test_every_default_passes_its_own_rule():
+    # The rule table skips a value equal to its field's default (same type): only sound if the default passes.
+    from clawrl.engine.core.request import _PASSING, _RULES
+
+    assert set(_PASSING) == set(_RULES)
+    for name, (_, default) in _PASSING.items():
+        assert _RULES[name](default) is None, name
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("top_p", True, "sampling_params.top_p must be a number, got True"),  # True == 1.0, the default
+        ("temperature", float("nan"), "sampling_params.temperature must be a number, got nan"),
+        ("n", 1.0, "sampling_params.n must be an integer, got 1.0"),  # 1.0 == 1, the default
+        ("ignore_eos", 0, "sampling_params.ignore_eos must be true or false, got 0"),  # 0 == False
+        ("min_p", 0, None),  # an int of the default's value still goes through the rule, and passes
+    ],
+)
+def test_a_value_equal_to_the_default_but_of_another_type_is_still_checked(field, value, message):
+    from clawrl.engine.core.request import SamplingParams
+
+    params = SamplingParams(**{field: value})
+    if message is None:
+        params.validate()
+        return
+    with pytest.raises(RequestError, match=f"^{re.escape(message)}$"):
+        params.validate()
+
+
+def test_answer_logprob_triples_are_json_arrays_and_lengths_must_agree():
+    from clawrl import fast_json
+    from clawrl.engine.core.request import GenerationResult
+    from clawrl.engine.http.generate import generate_item
+
+    req = parse_request(GenerateRequest, {"input_ids": [1, 2], "return_logprob": True})
+    result = GenerationResult(request_id="r", index=0, output_ids=[5, 7], logprobs=[-0.25, -1.5],
+                              weight_versions=["3", "3"], finish_reason={"type": "length", "length": 2})  # fmt: skip
+    item = fast_json.loads(fast_json.dumps(generate_item(result, req, None, 0.0)))
+    assert item["meta_info"]["output_token_logprobs"] == [[-0.25, 5, None], [-1.5, 7, None]]
+    assert item["output_ids"] == [5, 7] and item["meta_info"]["output_token_weight_versions"] == ["3", "3"]
+    result.logprobs.append(-2.0)  # an engine bug: one logprob too many must not be cut off silently
+    with pytest.raises(ValueError, match="zip"):
+        generate_item(result, req, None, 0.0)

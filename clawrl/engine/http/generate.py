@@ -33,6 +33,7 @@ this engine lacks (constrained decoding, hidden states, images, LoRA) unless the
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -594,10 +595,11 @@ def _logprob_meta(
     def tops(pairs: list | None) -> list | None:
         return None if pairs is None else [entry(logprob, token) for logprob, token in pairs]
 
+    tokens = result.output_ids
     if req.return_text_in_logprobs:
-        pairs = [entry(lp, t) for lp, t in zip(result.logprobs, result.output_ids, strict=True)]
-    else:  # the rollout's case, every token of every sample: no call per token
-        pairs = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids, strict=True)]
+        pairs = [entry(lp, t) for lp, t in zip(result.logprobs, tokens, strict=True)]
+    else:  # the rollout's case, every token of every sample: tuples built by zip in C (JSON arrays alike)
+        pairs = list(zip(result.logprobs, tokens, itertools.repeat(None, len(tokens)), strict=True))
     meta: dict[str, Any] = {"output_token_logprobs": pairs}
     if req.top_logprobs_num > 0:
         meta["output_top_logprobs"] = [tops(pairs) for pairs in result.top_logprobs]
