@@ -123,6 +123,7 @@ ROWS = (
         1,
     ),
     ("  last request: engine finished -> back in the rollout", "perf/rollout_last_answer_time", None, 1),
+    ("  garbage collector in the rollout's process", "perf/rollout_gc_time", None, 1),
     ("engine memory release", "perf/engine_release_time", None, 0),
     ("trainer onload", "perf/trainer_onload_time", None, 0),
     ("log_probs", "perf/log_probs_time", "log_probs", 0),

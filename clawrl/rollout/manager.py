@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import threading
 import time
@@ -48,6 +49,7 @@ from clawrl.data.sample import Sample, Status
 from clawrl.data.source import PromptSource
 from clawrl.data.train_batch import TrainBatch
 from clawrl.metrics.progress import RolloutCounter
+from clawrl.metrics.timer import GcPauses
 from clawrl.rollout.context import RolloutContext, reset_rollout_context, set_rollout_context
 from clawrl.rollout.data_source import RolloutDataSource
 from clawrl.rollout.default_rollout import GroupGenerator, collect_train_groups, generate_eval_samples
@@ -129,6 +131,14 @@ class RolloutManager:
             target=self._loop.run_forever, name="clawrl-rollout-loop", daemon=True
         )
         self._thread.start()
+        # What is alive now (torch, transformers, the tokenizer, the datasets: hundreds of thousands of objects)
+        # lives as long as the manager. Frozen, the garbage collector's full passes skip it: a rollout's answers
+        # (thousands of lists each) otherwise trigger one now and then, a ~0.1 s stop of the rollout's event
+        # loop that lands in its tail (bench/rollout_http_overhead.py: 90-100 ms, in some of its runs). Logged
+        # as perf/rollout_gc_time. As AsyncEngine does for the engine's process.
+        gc.collect()
+        gc.freeze()
+        self._froze_gc = True
 
     # ------------------------------------------------------------------------------------------------
     # setup
@@ -267,6 +277,9 @@ class RolloutManager:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30.0)
             self._loop.close()
+            if self._froze_gc:  # the manager's objects may be garbage from now on (tests build many)
+                gc.unfreeze()
+                self._froze_gc = False
 
     async def _aclose(self) -> None:
         await self.router.aclose()
@@ -310,21 +323,22 @@ class RolloutManager:
         token = set_rollout_context(ctx)
         timeline = ctx.timeline = RolloutTimeline(started=started)
         stats_before = await self.router.engine_stats()
-        try:
-            if self.rollout_fn is not None:
-                result = await call_rollout_fn(
-                    self.rollout_fn, self.args, rollout_id, self.data_source, False
-                )
-                groups, extra = train_output(result, self.job.rollout.rollout_function_path)
-                drops, num_aborted = {}, 0
-                producer = f"{ROLLOUT_FLAG} {self.job.rollout.rollout_function_path!r}"
-            else:
-                collected = await self._collect(ctx, rollout_id, partial)
-                groups, extra = collected.groups, {}
-                drops, num_aborted = collected.drops, collected.num_aborted_samples
-                producer = self.generator.generate_fns.default.flag
-        finally:
-            reset_rollout_context(token)
+        with GcPauses() as pauses:  # this process's collections while it generates
+            try:
+                if self.rollout_fn is not None:
+                    result = await call_rollout_fn(
+                        self.rollout_fn, self.args, rollout_id, self.data_source, False
+                    )
+                    groups, extra = train_output(result, self.job.rollout.rollout_function_path)
+                    drops, num_aborted = {}, 0
+                    producer = f"{ROLLOUT_FLAG} {self.job.rollout.rollout_function_path!r}"
+                else:
+                    collected = await self._collect(ctx, rollout_id, partial)
+                    groups, extra = collected.groups, {}
+                    drops, num_aborted = collected.drops, collected.num_aborted_samples
+                    producer = self.generator.generate_fns.default.flag
+            finally:
+                reset_rollout_context(token)
         batch, raw_rewards, groups = self._to_batch(rollout_id, groups, producer)
         self.last_samples = [s for g in groups for s in g]
         ended = time.monotonic()
@@ -338,6 +352,7 @@ class RolloutManager:
             num_rollout_devices=self.num_rollout_devices,
         )
         metrics.update(timeline.metrics(ended))  # where the rollout's time went (clawrl/rollout/timeline.py)
+        metrics["perf/rollout_gc_time"] = pauses.seconds
         metrics.update(engine_busy_metrics(stats_before, await self.router.engine_stats(), ended - started))
         metrics.update(self._staleness(rollout_id, self.last_samples, partial))
         if self.router.fault_tolerant:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import socket
 import time
@@ -156,9 +157,14 @@ def _generates(server: ServerThread) -> int:
 def test_rollout_batch_rewards_logprobs_weight_versions_and_metrics(model_dir, engines, prompt_file):
     job = _job(model_dir, prompt_file("train", _prompts(["a"] * 8)), custom_rm_path=f"{HERE}.rm_index_mod4")
     before = [_generates(e) for e in engines]
+    gc.unfreeze()  # (the module's engines froze this process's heap when they started)
     with _manager(job, engines) as manager:
+        # what the manager holds after its set-up (torch, the tokenizer, ...) is frozen: no full pass scans it
+        assert gc.get_freeze_count() > 10_000
         batch, metrics = manager.generate(0)
         samples = manager.last_samples
+    assert gc.get_freeze_count() == 0  # and thawed when it closes: it may all be garbage now
+    assert 0 <= metrics["perf/rollout_gc_time"] < metrics["perf/rollout_time"]
     assert len(batch) == 2 * 4 and batch.sample_indices == list(range(8))
     assert batch.group_indices == [0, 0, 0, 0, 1, 1, 1, 1]
     assert all(0 < r <= 8 for r in batch.response_lengths)

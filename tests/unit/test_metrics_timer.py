@@ -108,3 +108,18 @@ def test_cuda_sync_without_a_gpu_does_nothing(monkeypatch):
     with timers("train"):
         pass
     assert timers.pop() == {"perf/train_time": 0.0, "perf/step_time": 0.0}
+
+
+def test_gc_pauses_count_the_collections_inside_and_none_after():
+    import gc
+
+    from clawrl.metrics.timer import GcPauses
+
+    with GcPauses() as pauses:
+        gc.collect()  # a full collection
+        gc.collect(0)
+    assert pauses.collections[2] >= 1 and pauses.collections[0] >= 1
+    assert 0 < pauses.seconds < 5
+    seen = (list(pauses.collections), pauses.seconds)
+    gc.collect()
+    assert (pauses.collections, pauses.seconds) == seen  # the callback went with the context
