@@ -17,10 +17,17 @@ The same requests (--batch prompts of --prompt-len tokens, --new-tokens each, or
   default generate function (clawrl/rollout/generate.py) through EngineRouter and AsyncEngineClient, with
   the payload a rollout sends (input_ids, the --rollout-* sampling params, return_logprob), all at once.
 
+The client opens its connections before the timed rollout (--connections warm), as a loop's rollouts after
+the first find them, and freezes its heap as the RolloutManager does; --connections cold opens them inside it.
+
 Reported per run: tokens/s; engine steps and wall ms per step (inside Engine.step in brackets); three
 phases: ramp (first request sent -> first step that decodes the whole batch), steady (those steps, ms per
-step), tail (-> last response received); CPU ms per step of the server process, of its engine thread and
-HTTP thread, and of the client process, and of the two threads over the steady phase alone.
+step), tail (-> last response received); the answer path from the engine's stamps (when the requests
+reached the engine's handler, when the last one finished, its answer was built and was back); the garbage
+collector's pauses in the server and the client; CPU ms per step of the server process, of its engine
+thread and HTTP thread, and of the client process, and of the two threads over the steady phase alone.
+After the runs, the medians of the HTTP runs (tokens/s, ramp, tail, arrival spread, answer path, GC);
+--json-out writes every run.
 
 --profile adds cProfile tables of the engine thread and the HTTP event loop's thread (each timed by its
 own CPU clock, so waiting for the GIL or for I/O is not counted), and of the client process.
@@ -40,6 +47,7 @@ import asyncio
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +60,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_host_overhead as host  # noqa: E402  (bench/ is not a package)
+
+from clawrl.metrics.timer import GcPauses  # noqa: E402
 
 _SERVER_THREADS = ("clawrl-engine", "clawrl-engine-http")
 
@@ -87,9 +97,15 @@ def rollout_args(max_response_len: int) -> argparse.Namespace:
 
 async def _client_rollout(url: str, args) -> dict:
     from clawrl.data.sample import Sample
-    from clawrl.rollout.context import RolloutContext, reset_rollout_context, set_rollout_context
+    from clawrl.rollout.context import (
+        RolloutContext,
+        reset_rollout_context,
+        rollout_context,
+        set_rollout_context,
+    )
     from clawrl.rollout.generate import generate, generate_group, train_sampling_params
     from clawrl.rollout.router import EngineRouter
+    from clawrl.rollout.timeline import RolloutTimeline
 
     flags = [rollout_args(new_tokens(i, args)) for i in range(args.batch)]
     params = [{**train_sampling_params(f), "ignore_eos": True} for f in flags]
@@ -99,19 +115,59 @@ async def _client_rollout(url: str, args) -> dict:
     )
     try:
         samples = [Sample(index=i, tokens=prompt_ids(i, args.prompt_len)) for i in range(args.batch)]
+        if args.connections == "warm":
+            await _open_connections(router, -(-args.batch // args.group_size))
+        timeline = rollout_context().timeline = RolloutTimeline(started=time.monotonic())
+        gc.collect()
+        gc.freeze()  # as the RolloutManager freezes its heap after its set-up
         print("ready", flush=True)  # imports done: the server starts its clocks and answers "go"
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         start, start_cpu = time.perf_counter(), time.process_time()
-        if args.group_size > 1:  # the RolloutManager's way: one batch request per prompt group
-            groups = [samples[i : i + args.group_size] for i in range(0, len(samples), args.group_size)]
-            await asyncio.gather(*(generate_group(flags[g[0].index], g, params[g[0].index]) for g in groups))
-        else:
-            await asyncio.gather(*(generate(flags[s.index], s, params[s.index]) for s in samples))
+        timeline.started = time.monotonic()
+        with GcPauses() as pauses:
+            if args.group_size > 1:  # the RolloutManager's way: one batch request per prompt group
+                groups = [samples[i : i + args.group_size] for i in range(0, len(samples), args.group_size)]
+                await asyncio.gather(
+                    *(generate_group(flags[g[0].index], g, params[g[0].index]) for g in groups)
+                )
+            else:
+                await asyncio.gather(*(generate(flags[s.index], s, params[s.index]) for s in samples))
         end, cpu = time.perf_counter(), time.process_time() - start_cpu
     finally:
         reset_rollout_context(token)
         await router.aclose()
-    return {"start": start, "end": end, "cpu_s": cpu, "tokens": sum(s.response_length for s in samples)}
+    return {
+        "start": start,
+        "end": end,
+        "cpu_s": cpu,
+        "tokens": sum(s.response_length for s in samples),
+        "calls": _call_stamps(timeline),
+        "gc_ms": pauses.seconds * 1e3,
+        "gc_collections": pauses.collections,
+    }
+
+
+async def _open_connections(router, count: int) -> None:
+    """`count` tiny requests at once, so the rollout finds that many pooled connections, as a loop's rollouts
+    after the first do while the train step between them is shorter than the client's keep-alive (2 s,
+    clawrl/engine/http/client.py); one-token prompts, so the prefix cache holds nothing the rollout uses."""
+    payload = {"input_ids": [3], "sampling_params": {"max_new_tokens": 1}}
+    await asyncio.gather(*(router.generate(payload) for _ in range(count)))
+
+
+def _call_stamps(timeline) -> dict[str, float]:
+    """The /generate calls' answer path (the engine's stamps, this host's monotonic clock), in ms from the
+    rollout's start: when requests reached the engine's handler, when the engine finished them, and when
+    their answers were built and back."""
+    calls = timeline.engine_calls
+    if not calls:
+        return {}
+    ms = lambda stamp: (stamp - timeline.started) * 1e3  # noqa: E731
+    return {"first_received_ms": ms(min(c.received for c in calls)),
+            "last_received_ms": ms(max(c.received for c in calls)),
+            "last_finished_ms": ms(max(c.finished for c in calls)),
+            "last_answered_ms": ms(max(c.answered for c in calls)),
+            "last_back_ms": ms(max(c.back for c in calls))}  # fmt: skip
 
 
 def client_main(url: str, args) -> None:
@@ -336,8 +392,20 @@ def run_http(args, engines: _Engines, profiles: _ThreadProfiles | None) -> dict:
     expected = sum(new_tokens(i, args) for i in range(args.batch))
     if client["tokens"] != expected:
         raise RuntimeError(f"the client received {client['tokens']} tokens, expected {expected}")
-    return _result("HTTP", client["tokens"], client["start"], client["end"], counter, server_cpu_s=server_cpu,
-                   client_cpu_s=client["cpu_s"], **threads_cpu)  # fmt: skip
+    result = _result("HTTP", client["tokens"], client["start"], client["end"], counter, server_cpu_s=server_cpu,
+                     client_cpu_s=client["cpu_s"], **threads_cpu)  # fmt: skip
+    calls = client["calls"]
+    result.update(calls)
+    result.update(
+        {key: client[key] for key in ("gc_ms", "gc_collections", "server_gc_ms", "server_gc_collections")}
+    )
+    if "ramp_s" in result:
+        result["ramp_ms"], result["tail_ms"] = result["ramp_s"] * 1e3, result["tail_s"] * 1e3
+    if calls:
+        result["arrival_spread_ms"] = calls["last_received_ms"] - calls["first_received_ms"]
+        result["answer_after_finish_ms"] = calls["last_answered_ms"] - calls["last_finished_ms"]
+        result["back_after_finish_ms"] = calls["last_back_ms"] - calls["last_finished_ms"]
+    return result
 
 
 def _client_run(url: str, args, *, profile: bool) -> tuple[dict, float, dict[str, float]]:
@@ -360,6 +428,8 @@ def _client_run(url: str, args, *, profile: bool) -> tuple[dict, float, dict[str
         str(args.group_size),
         "--top",
         str(args.top),
+        "--connections",
+        args.connections,
     ]
     command += ["--profile"] if profile else []  # fmt: skip
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -370,9 +440,10 @@ def _client_run(url: str, args, *, profile: bool) -> tuple[dict, float, dict[str
         if profile:
             _switch_profile(url, "on")
         threads_before, start_cpu = _thread_cpu_s(_SERVER_THREADS), time.process_time()
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        out, _ = proc.communicate(timeout=args.timeout_s)
+        with GcPauses() as pauses:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out, _ = proc.communicate(timeout=args.timeout_s)
         server_cpu, threads_after = time.process_time() - start_cpu, _thread_cpu_s(_SERVER_THREADS)
         if profile:
             _switch_profile(url, "off")
@@ -384,7 +455,9 @@ def _client_run(url: str, args, *, profile: bool) -> tuple[dict, float, dict[str
     threads = {
         f"{_short_name(name)}_cpu_s": threads_after[name] - threads_before[name] for name in threads_before
     }
-    return json.loads(out.strip().splitlines()[-1]), server_cpu, threads
+    client = json.loads(out.strip().splitlines()[-1])
+    client["server_gc_ms"], client["server_gc_collections"] = pauses.seconds * 1e3, pauses.collections
+    return client, server_cpu, threads
 
 
 def _result(kind: str, tokens: int, start: float, end: float, counter: _StepCounter, **cpu: float) -> dict:
@@ -406,6 +479,18 @@ def _result(kind: str, tokens: int, start: float, end: float, counter: _StepCoun
     return result
 
 
+_PATH_KEYS = (
+    "tok_per_s",
+    "ramp_ms",
+    "tail_ms",
+    "arrival_spread_ms",
+    "answer_after_finish_ms",
+    "back_after_finish_ms",
+    "server_gc_ms",
+    "gc_ms",
+)
+"""The HTTP runs' medians printed at the end: tokens/s, the phases, and the answer path of the last call."""
+
 _CPU_LABELS = {"server_cpu_ms_per_step": "server process", "engine_thread_cpu_ms_per_step": "engine thread",
                "http_thread_cpu_ms_per_step": "HTTP thread", "client_cpu_ms_per_step": "client process"}  # fmt: skip
 
@@ -417,6 +502,13 @@ def _print(result: dict) -> None:
     if "steady_ms_per_step" in r:
         print(f"{'':10} phases: ramp {r['ramp_s']:.3f} s, steady {r['steady_ms_per_step']:.2f} ms/step, "
               f"tail {r['tail_s']:.3f} s")  # fmt: skip
+    if "last_back_ms" in r:
+        print(f"{'':10} requests in the engine's handler {r['first_received_ms']:.1f}-{r['last_received_ms']:.1f} ms "
+              f"after the first was sent; the last finished at {r['last_finished_ms']:.1f} ms, its answer "
+              f"built at {r['last_answered_ms']:.1f}, back at {r['last_back_ms']:.1f}")  # fmt: skip
+    if "gc_ms" in r:
+        print(f"{'':10} garbage collector: server {r['server_gc_ms']:.1f} ms (collections by generation "
+              f"{r['server_gc_collections']}), client {r['gc_ms']:.1f} ms ({r['gc_collections']})")  # fmt: skip
     cpu = ", ".join(f"{label} {r[key]:.2f}" for key, label in _CPU_LABELS.items() if key in r)
     print(f"{'':10} CPU ms/step: {cpu}")
     steady = [f"{_CPU_LABELS[key]} {r['steady_' + key]:.2f}" for key in _CPU_LABELS if "steady_" + key in r]
@@ -462,7 +554,15 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="--shape: the real engine's device (cpu: a smoke test)")
     p.add_argument("--workdir", default="/tmp/clawrl-bench-engine", help="--shape: checkpoint directory")
     p.add_argument("--repeats", type=int, default=3, help="runs of each path, alternating; all are printed")
+    p.add_argument(
+        "--connections",
+        choices=("warm", "cold"),
+        default="warm",
+        help="warm: the client opens its connections before the timed rollout, as a loop's later "
+        "rollouts find them; cold: it opens them during the rollout, as a first rollout does",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile the server threads (HTTP runs)")
+    p.add_argument("--json-out", help="write every run's numbers and the HTTP medians here")
     p.add_argument("--top", type=int, default=25, help="--profile rows per table")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of one HTTP run")
     p.add_argument("--client-url", help=argparse.SUPPRESS)  # internal: run as the client subprocess
@@ -497,6 +597,15 @@ def main() -> None:
             f"{kind}: best {best['tok_per_s']:.0f} tok/s, median {tok_s[len(tok_s) // 2]:.0f} "
             f"({best['wall_ms_per_step']:.2f} ms/step at best)"
         )
+    http = [r for r in runs if r["kind"] == "HTTP"]
+    medians = {
+        key: statistics.median(r[key] for r in http) for key in _PATH_KEYS if all(key in r for r in http)
+    }
+    if medians:
+        print("HTTP medians: " + ", ".join(f"{key} {value:.1f}" for key, value in medians.items()))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs, "http_medians": medians},
+                                                  indent=1))  # fmt: skip
     if profiles is not None:
         profiles.report(args.top)
 
