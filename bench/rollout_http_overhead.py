@@ -149,8 +149,9 @@ async def _client_rollout(url: str, args) -> dict:
 
 async def _open_connections(router, count: int) -> None:
     """`count` tiny requests at once, so the rollout finds that many pooled connections, as a loop's rollouts
-    after the first do while the train step between them is shorter than the client's keep-alive (2 s,
-    clawrl/engine/http/client.py); one-token prompts, so the prefix cache holds nothing the rollout uses."""
+    after the first do while the train step between them is shorter than the client's keep-alive (20 s for
+    the run's own engines, 2 s for external ones: clawrl/engine/http/client.py); one-token prompts, so the
+    prefix cache holds nothing the rollout uses."""
     payload = {"input_ids": [3], "sampling_params": {"max_new_tokens": 1}}
     await asyncio.gather(*(router.generate(payload) for _ in range(count)))
 

@@ -48,6 +48,7 @@ from clawrl.data.dataset import PromptDataset
 from clawrl.data.sample import Sample, Status
 from clawrl.data.source import PromptSource
 from clawrl.data.train_batch import TrainBatch
+from clawrl.engine.http.client import KEEPALIVE_EXPIRY_S, OWN_ENGINE_KEEPALIVE_EXPIRY_S
 from clawrl.metrics.progress import RolloutCounter
 from clawrl.metrics.timer import GcPauses
 from clawrl.rollout.context import RolloutContext, reset_rollout_context, set_rollout_context
@@ -119,6 +120,11 @@ class RolloutManager:
             health_timeout_s=health_timeout_s,
             max_concurrent_requests=max_concurrency_per_engine * len(engine_urls),
             fault_tolerant=job.fault.use_fault_tolerance,
+            # The run's own engines keep idle connections 30 s: a rollout reuses the last one's connections.
+            # An external server's idle timeout is unknown (SGLang's is 5 s): the 2 s that any server allows.
+            keepalive_s=KEEPALIVE_EXPIRY_S
+            if job.resources.rollout_external_engine_addrs
+            else OWN_ENGINE_KEEPALIVE_EXPIRY_S,
         )
         self._retried_before = 0  # router.num_retried when the current rollout started
         self._cursor_before: dict[int, dict[str, Any]] = {}

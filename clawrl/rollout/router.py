@@ -30,7 +30,7 @@ import collections
 import time
 from typing import Any
 
-from clawrl.engine.http.client import AsyncEngineClient, EngineClientError
+from clawrl.engine.http.client import KEEPALIVE_EXPIRY_S, AsyncEngineClient, EngineClientError
 
 # Sessions remembered for affinity; the oldest are forgotten first (a session only matters while it runs).
 _MAX_SESSIONS = 100_000
@@ -61,6 +61,7 @@ class EngineRouter:
         down_cooldown_s: float = 5.0,
         max_concurrent_requests: int | None = None,
         fault_tolerant: bool = False,
+        keepalive_s: float = KEEPALIVE_EXPIRY_S,
     ) -> None:
         urls = [url.rstrip("/") for url in urls]
         if not urls:
@@ -78,7 +79,9 @@ class EngineRouter:
         # Default: every other engine may be tried once.
         self.max_failovers = len(urls) - 1 if max_failovers is None else max_failovers
         self.down_cooldown_s = down_cooldown_s
-        self._clients = {url: AsyncEngineClient(url, timeout=self.request_timeout_s) for url in urls}
+        self.keepalive_s = keepalive_s
+        """The clients' idle connection expiry (AsyncEngineClient's keepalive_s)."""
+        self._clients = {url: self._client(url) for url in urls}
         self._outstanding = dict.fromkeys(urls, 0)
         self._served = dict.fromkeys(urls, 0)
         self._down_until = dict.fromkeys(urls, 0.0)
@@ -186,13 +189,16 @@ class EngineRouter:
         """Fault injection (tests): call `fire()` once, shortly after the next request is sent to `url`."""
         self._fault = (url.rstrip("/"), fire)
 
+    def _client(self, url: str) -> AsyncEngineClient:
+        return AsyncEngineClient(url, timeout=self.request_timeout_s, keepalive_s=self.keepalive_s)
+
     def replace(self, old_url: str, new_url: str) -> None:
         """Fault tolerance: engine `old_url` was replaced by `new_url` (which serves the current weights)."""
         new_url = new_url.rstrip("/")
         index = self._urls.index(old_url.rstrip("/"))
         old = self._urls[index]
         self._urls[index] = new_url
-        self._clients[new_url] = AsyncEngineClient(new_url, timeout=self.request_timeout_s)
+        self._clients[new_url] = self._client(new_url)
         self._outstanding[new_url], self._served[new_url], self._down_until[new_url] = 0, 0, 0.0
         self._dead.discard(old)
         stale = self._clients.pop(old)

@@ -3,7 +3,9 @@
 A client and a server with the same idle timeout (httpx's and uvicorn's default are both 5 s) race: a request
 sent on a connection the server is closing at that moment fails with ReadError. A rollout that starts after a
 train step of about that length hit it now and then. The clients now drop idle connections after
-KEEPALIVE_EXPIRY_S (2 s, below uvicorn's and SGLang's 5 s), and the engine's own server keeps them 30 s.
+KEEPALIVE_EXPIRY_S (2 s, below uvicorn's and SGLang's 5 s), and the engine's own server keeps them 30 s, so a
+rollout's clients of the run's own engines keep theirs OWN_ENGINE_KEEPALIVE_EXPIRY_S (20 s): the next rollout,
+after a train step of a few seconds, finds them open instead of opening one per request.
 
     .venv/bin/pytest tests/integration/test_engine_http_keepalive.py -q
 """
@@ -16,7 +18,13 @@ import time
 from fastapi import FastAPI, Request
 
 from clawrl.engine.http.app import ServerThread
-from clawrl.engine.http.client import KEEPALIVE_EXPIRY_S, AsyncEngineClient, EngineClient
+from clawrl.engine.http.client import (
+    ENGINE_SERVER_KEEPALIVE_S,
+    KEEPALIVE_EXPIRY_S,
+    OWN_ENGINE_KEEPALIVE_EXPIRY_S,
+    AsyncEngineClient,
+    EngineClient,
+)
 
 
 def _app() -> FastAPI:
@@ -51,3 +59,20 @@ def test_idle_connections_are_dropped_before_a_5s_server_closes_them():
 
         a, b, c = asyncio.run(pooled())
         assert a == b and c != a
+
+
+def test_clients_of_the_runs_own_engines_keep_their_connections_across_a_train_step():
+    assert KEEPALIVE_EXPIRY_S + 1 < OWN_ENGINE_KEEPALIVE_EXPIRY_S <= ENGINE_SERVER_KEEPALIVE_S - 5
+    with ServerThread(_app()) as server:
+
+        async def pooled() -> tuple[int, int]:
+            pool = AsyncEngineClient(server.url, timeout=10, keepalive_s=OWN_ENGINE_KEEPALIVE_EXPIRY_S)
+            try:
+                first = (await pool._call("GET", "/peer"))["port"]
+                await asyncio.sleep(KEEPALIVE_EXPIRY_S + 0.5)  # a step longer than the 2 s expiry
+                return first, (await pool._call("GET", "/peer"))["port"]
+            finally:
+                await pool.aclose()
+
+        first, later = asyncio.run(pooled())
+        assert later == first  # the same connection, still open on both sides

@@ -29,7 +29,7 @@ from clawrl.engine.async_engine import AsyncEngine
 from clawrl.engine.config import EngineConfig
 from clawrl.engine.core.engine import Engine
 from clawrl.engine.http.app import ServerThread, create_app
-from clawrl.engine.http.client import EngineClient
+from clawrl.engine.http.client import KEEPALIVE_EXPIRY_S, OWN_ENGINE_KEEPALIVE_EXPIRY_S, EngineClient
 from clawrl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from clawrl.rollout.context import rollout_context
 from clawrl.rollout.generate import generate, train_sampling_params
@@ -164,6 +164,13 @@ def test_rollout_batch_rewards_logprobs_weight_versions_and_metrics(model_dir, e
         batch, metrics = manager.generate(0)
         samples = manager.last_samples
     assert gc.get_freeze_count() == 0  # and thawed when it closes: it may all be garbage now
+    # its connections to the run's own engines outlive a train step (the engines' server keeps them 30 s);
+    # an external server's idle timeout is not known: the 2 s any server allows
+    assert manager.router.keepalive_s == OWN_ENGINE_KEEPALIVE_EXPIRY_S
+    job.resources.rollout_external_engine_addrs = [e.url for e in engines]
+    with _manager(job, engines) as external:
+        assert external.router.keepalive_s == KEEPALIVE_EXPIRY_S
+        assert {c.keepalive_s for c in external.router._clients.values()} == {KEEPALIVE_EXPIRY_S}
     assert 0 <= metrics["perf/rollout_gc_time"] < metrics["perf/rollout_time"]
     assert len(batch) == 2 * 4 and batch.sample_indices == list(range(8))
     assert batch.group_indices == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -402,6 +409,18 @@ def test_router_spreads_load_and_keeps_sessions(engines):
     assert spread == [4, 4]
     assert sorted(session) == [0, 4]  # one engine serves the whole session
     assert all(s["outstanding"] == 0 for s in stats.values())
+
+
+def test_router_gives_a_replacement_engine_the_same_connection_expiry():
+    router = EngineRouter(
+        ["http://127.0.0.1:1", "http://127.0.0.1:2"], keepalive_s=OWN_ENGINE_KEEPALIVE_EXPIRY_S
+    )
+    router.replace("http://127.0.0.1:2", "http://127.0.0.1:3")
+    assert router.urls == ["http://127.0.0.1:1", "http://127.0.0.1:3"]
+    assert {c.keepalive_s for c in router._clients.values()} == {OWN_ENGINE_KEEPALIVE_EXPIRY_S}
+    assert (
+        EngineRouter(["http://127.0.0.1:1"])._clients["http://127.0.0.1:1"].keepalive_s == KEEPALIVE_EXPIRY_S
+    )
 
 
 def test_router_fails_over_when_an_engine_is_stopped(model_dir, engines):

@@ -46,6 +46,7 @@ from pydantic import model_validator
 from clawrl.engine.async_engine import AsyncEngine, EngineUnavailableError
 from clawrl.engine.core.request import RequestError, SamplingParams
 from clawrl.engine.http import generate, openai
+from clawrl.engine.http.client import ENGINE_SERVER_KEEPALIVE_S
 from clawrl.engine.http.generate import LenientRequest, RequestModel, format_validation_error, read_request
 from clawrl.engine.weight_receiver import WeightReceiver
 
@@ -441,7 +442,7 @@ def serve(config: Any, host: str = "127.0.0.1", port: int = 30000, *, step_timeo
     )
     app = create_app(async_engine)
     app.state.reasoning_parser = reasoning_parser
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=ENGINE_SERVER_KEEPALIVE_S)
 
 
 class ServerThread:
@@ -459,7 +460,9 @@ class ServerThread:
         self.host = host
         self.start_timeout_s = start_timeout_s
         self._server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+            uvicorn.Config(
+                app, host=host, port=port, log_level=log_level, timeout_keep_alive=ENGINE_SERVER_KEEPALIVE_S
+            )
         )  # clients drop idle ones sooner
         self._thread = threading.Thread(target=self._server.run, name="clawrl-engine-http", daemon=True)
         self.port = port

@@ -36,6 +36,14 @@ KEEPALIVE_EXPIRY_S = 2.0
 """Idle pooled connections are dropped after this, well before a server closes them (uvicorn's default, and
 SGLang's, is 5 s; clawrl's engine keeps them 30 s): with equal timeouts a request sent on a connection the server
 is closing fails with ReadError — what a rollout after a long train step hit now and then."""
+ENGINE_SERVER_KEEPALIVE_S = 30
+"""How long clawrl's engine server keeps an idle connection open (uvicorn's timeout_keep_alive)."""
+OWN_ENGINE_KEEPALIVE_EXPIRY_S = 20.0
+"""The idle expiry of a rollout's connections to the engines its run started (clawrl's server, 30 s): the
+connections of one rollout are still open at the next after a train step of up to 20 s. With 2 s, a run whose
+step is longer (the 1.5B loop's is ~3 s on one GPU) opened a connection per group request at the start of every
+rollout: 32 at once cost ~28 ms before the first request reached the engine (bench/rollout_http_overhead.py
+--connections cold vs warm, CPU)."""
 
 
 class EngineClientError(RuntimeError):
@@ -356,9 +364,13 @@ class AsyncEngineClient(_Routes):
     on the 2-core workstation; docs/benchmarks.md).
     """
 
-    def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S, *, keepalive_s: float = KEEPALIVE_EXPIRY_S
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.keepalive_s = keepalive_s
+        """Idle pooled connections are closed after this (below the server's own idle timeout)."""
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -367,7 +379,7 @@ class AsyncEngineClient(_Routes):
         it cannot be closed from another loop, and its loop's end closed its sockets)."""
         loop = asyncio.get_running_loop()
         if self._session is None or self._session_loop is not loop or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S,
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s,
                                              ssl=shared_ssl_context())  # fmt: skip
             self._session = aiohttp.ClientSession(connector=connector)
             self._session_loop = loop
