@@ -100,10 +100,9 @@ def measure(args) -> dict[str, float]:
     def items(of):
         return [generate_item(result, req, tokenizer, 0.0) for result in of]
 
-    def answer():
-        return items(results())
-
-    answer_body = orjson.dumps(answer())
+    finished = results()
+    answer_items = items(finished)
+    answer_body = orjson.dumps(answer_items)
     parsed = orjson.loads(answer_body)
 
     def apply():
@@ -126,7 +125,6 @@ def measure(args) -> dict[str, float]:
         "client: answer JSON -> objects (orjson)": lambda: orjson.loads(answer_body),
         "client: apply_output per sample": apply,
     }
-    answer_items, finished = answer(), results()
     try:
         return {name: time_ms(fn, args.calls) for name, fn in pieces.items()} | {
             "answer_bytes": len(answer_body)
