@@ -9,7 +9,9 @@ is timed over --calls calls with the heap frozen, as the engine server and the R
 (gc.freeze after their set-up), with a tiny tokenizer built offline (--vocab).
 
 These are the per-call costs behind bench/rollout_http_overhead.py's ramp (requests in, one after another on
-the server's event loop) and tail (answers out, then parsed by the client, one after another).
+the server's event loop) and tail (answers out, then parsed by the client, one after another). The answer's
+pieces are timed twice: with SGLang's logprob triples (what any SGLang client gets) and with clawrl's
+`compact_logprobs` (what the rollout asks its own engines for: packed floats, version runs).
 
 Run from the repository root (CPU, ~10 s):
     .venv/bin/python bench/generate_call_cost.py
@@ -97,18 +99,25 @@ def measure(args) -> dict[str, float]:
                 out.append(result)
         return out
 
-    def items(of):
-        return [generate_item(result, req, tokenizer, 0.0) for result in of]
+    compact_req = parse_request(GenerateRequest, {**data, "compact_logprobs": True})
+
+    def items(of, request=req):
+        return [generate_item(result, request, tokenizer, 0.0) for result in of]
 
     finished = results()
-    answer_items = items(finished)
-    answer_body = orjson.dumps(answer_items)
-    parsed = orjson.loads(answer_body)
+    answer_items, compact_items = items(finished), items(finished, compact_req)
+    answer_body, compact_body = orjson.dumps(answer_items), orjson.dumps(compact_items)
+    parsed, compact_parsed = orjson.loads(answer_body), orjson.loads(compact_body)
 
-    def apply():
-        for i, item in enumerate(parsed):
-            apply_output(Sample(index=i, tokens=list(req.prompts[i])), item)
+    def apply(answer=parsed) -> list[Sample]:
+        samples = [Sample(index=i, tokens=list(req.prompts[i])) for i in range(len(answer))]
+        for sample, item in zip(samples, answer, strict=True):
+            apply_output(sample, item)
+        return samples
 
+    same = [(s.tokens, s.rollout_log_probs, s.weight_versions) for s in apply(parsed)]
+    if same != [(s.tokens, s.rollout_log_probs, s.weight_versions) for s in apply(compact_parsed)]:
+        raise AssertionError("the compact answer gave the samples other tokens, logprobs or versions")
     gc.collect()
     gc.freeze()  # as the engine server and the RolloutManager do after their set-up
     pieces = {
@@ -124,10 +133,15 @@ def measure(args) -> dict[str, float]:
         "server: answer JSON (orjson)": lambda: orjson.dumps(answer_items),
         "client: answer JSON -> objects (orjson)": lambda: orjson.loads(answer_body),
         "client: apply_output per sample": apply,
+        "compact: the answer items (generate_item: packed logprobs)": lambda: items(finished, compact_req),
+        "compact: answer JSON (orjson)": lambda: orjson.dumps(compact_items),
+        "compact: client, answer JSON -> objects (orjson)": lambda: orjson.loads(compact_body),
+        "compact: client, apply_output per sample": lambda: apply(compact_parsed),
     }
     try:
         return {name: time_ms(fn, args.calls) for name, fn in pieces.items()} | {
-            "answer_bytes": len(answer_body)
+            "answer_bytes": len(answer_body),
+            "compact_answer_bytes": len(compact_body),
         }
     finally:
         gc.unfreeze()
@@ -144,9 +158,10 @@ def main() -> None:
     args = p.parse_args()
     result = measure(args)
     print(f"one /generate call: {args.group_size} prompts x {args.prompt_len} tokens, {args.new_tokens} answer "
-          f"tokens each, answer {result['answer_bytes']:,} bytes; ms per call (heap frozen):")  # fmt: skip
+          f"tokens each, answer {result['answer_bytes']:,} bytes ({result['compact_answer_bytes']:,} compact); "
+          "ms per call (heap frozen):")  # fmt: skip
     for name, value in result.items():
-        if name != "answer_bytes":
+        if not name.endswith("answer_bytes"):
             print(f"  {name:72s} {value:7.3f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "ms_per_call": result}, indent=1))

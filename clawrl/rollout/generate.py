@@ -23,6 +23,7 @@ import operator
 import time
 from typing import Any
 
+from clawrl import fast_json
 from clawrl.data.chat import encode_text
 from clawrl.data.sample import Sample, Status
 from clawrl.rollout.context import rollout_context
@@ -95,7 +96,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     if request is None:
         return sample
     input_ids, params = request
-    payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+    payload = {"input_ids": input_ids, "sampling_params": params, **_logprob_fields(ctx.router)}
     sent = time.monotonic()
     output = await ctx.router.generate(payload, session_id=sample.session_id)
     if ctx.timeline is not None:  # the answer path's stamps (clawrl/rollout/timeline.py)
@@ -117,11 +118,15 @@ async def generate_group(args: Any, samples: list[Sample], sampling_params: dict
     todo = [(s, request) for s, request in requests if request is not None]
     sent = time.monotonic()
     if len(todo) == 1:
-        payload = {"input_ids": todo[0][1][0], "sampling_params": todo[0][1][1], "return_logprob": True}
+        payload = {
+            "input_ids": todo[0][1][0],
+            "sampling_params": todo[0][1][1],
+            **_logprob_fields(ctx.router),
+        }
         outputs = [await ctx.router.generate(payload, session_id=todo[0][0].session_id)]
     elif todo:
         payload = {"input_ids": [ids for _, (ids, _) in todo], "sampling_params": [p for _, (_, p) in todo],
-                   "return_logprob": True}  # fmt: skip
+                   **_logprob_fields(ctx.router)}  # fmt: skip
         outputs = await ctx.router.generate(payload, session_id=todo[0][0].session_id)
         if not isinstance(outputs, list) or len(outputs) != len(todo):
             raise ValueError(f"the engine answered a batch of {len(todo)} prompts with {_describe(outputs)}")
@@ -153,18 +158,37 @@ def _request_of(
     return input_ids, params
 
 
+_LOGPROBS = {"return_logprob": True}
+_COMPACT_LOGPROBS = {"return_logprob": True, "compact_logprobs": True}
+
+
+def _logprob_fields(router: Any) -> dict[str, bool]:
+    """The request's logprob fields: packed answers from the run's own engines (EngineRouter.compact_answers;
+    clawrl/fast_json.py says why), SGLang's triples from any other server."""
+    return _COMPACT_LOGPROBS if getattr(router, "compact_answers", False) else _LOGPROBS
+
+
 def apply_output(sample: Sample, output: dict[str, Any]) -> None:
-    """Append one `/generate` response item to the sample: tokens, log-probs, text, versions, finish."""
+    """Append one `/generate` response item to the sample: tokens, log-probs, text, versions, finish.
+    Takes SGLang's `output_token_logprobs` triples or clawrl's packed `output_token_logprobs_b64`."""
     meta = output["meta_info"]
-    pairs = meta.get("output_token_logprobs")
-    if pairs is None:
-        raise ValueError(
-            f"sample {sample.index}: the engine's /generate response has no meta_info.output_token_logprobs "
-            "although return_logprob was requested"
-        )
-    # Every token of every sample passes here, on the rollout's event loop: conversions by map, in C.
-    token_ids = list(map(int, map(_SECOND, pairs)))
-    log_probs = list(map(float, map(_FIRST, pairs)))
+    packed = meta.get("output_token_logprobs_b64")
+    if packed is not None:
+        token_ids = output["output_ids"]  # ints: clawrl's own server wrote them
+        log_probs = fast_json.unpack_floats(packed, field="meta_info.output_token_logprobs_b64")
+        if len(log_probs) != len(token_ids):
+            raise ValueError(f"sample {sample.index}: the engine's /generate response has {len(log_probs)} "
+                             f"logprobs for {len(token_ids)} output_ids")  # fmt: skip
+    else:
+        pairs = meta.get("output_token_logprobs")
+        if pairs is None:
+            raise ValueError(
+                f"sample {sample.index}: the engine's /generate response has no meta_info.output_token_logprobs "
+                "although return_logprob was requested"
+            )
+        # Every token of every sample passes here, on the rollout's event loop: conversions by map, in C.
+        token_ids = list(map(int, map(_SECOND, pairs)))
+        log_probs = list(map(float, map(_FIRST, pairs)))
     sample.append_response(token_ids, log_probs, output.get("text", ""))
     versions = segment_versions(meta, len(token_ids))
     sample.weight_versions.extend(versions[:-1])
@@ -180,6 +204,9 @@ def segment_versions(meta: dict[str, Any], num_tokens: int) -> list[str]:
     finish = meta.get("finish_reason") or {}
     if num_tokens == 0 and finish.get("type") == "abort":
         return []
+    runs = meta.get("output_token_weight_version_runs")  # compact answers: [[version, count], ...]
+    if runs:
+        return [str(version) for version, _ in runs]
     per_token = meta.get("output_token_weight_versions")
     if not per_token:
         version = meta.get("weight_version")

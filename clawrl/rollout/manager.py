@@ -114,6 +114,7 @@ class RolloutManager:
             load_dir=job.model.load,
         )
         self.eval_datasets = {name: self._dataset(path) for name, path in job.eval.eval_prompt_data.items()}
+        external = bool(job.resources.rollout_external_engine_addrs)
         self.router = EngineRouter(
             engine_urls,
             request_timeout_s=request_timeout_s,
@@ -122,9 +123,8 @@ class RolloutManager:
             fault_tolerant=job.fault.use_fault_tolerance,
             # The run's own engines keep idle connections 30 s: a rollout reuses the last one's connections.
             # An external server's idle timeout is unknown (SGLang's is 5 s): the 2 s that any server allows.
-            keepalive_s=KEEPALIVE_EXPIRY_S
-            if job.resources.rollout_external_engine_addrs
-            else OWN_ENGINE_KEEPALIVE_EXPIRY_S,
+            keepalive_s=KEEPALIVE_EXPIRY_S if external else OWN_ENGINE_KEEPALIVE_EXPIRY_S,
+            compact_answers=not external,  # packed logprobs: only clawrl's own server has them
         )
         self._retried_before = 0  # router.num_retried when the current rollout started
         self._cursor_before: dict[int, dict[str, Any]] = {}

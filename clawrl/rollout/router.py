@@ -62,6 +62,7 @@ class EngineRouter:
         max_concurrent_requests: int | None = None,
         fault_tolerant: bool = False,
         keepalive_s: float = KEEPALIVE_EXPIRY_S,
+        compact_answers: bool = False,
     ) -> None:
         urls = [url.rstrip("/") for url in urls]
         if not urls:
@@ -81,6 +82,9 @@ class EngineRouter:
         self.down_cooldown_s = down_cooldown_s
         self.keepalive_s = keepalive_s
         """The clients' idle connection expiry (AsyncEngineClient's keepalive_s)."""
+        self.compact_answers = compact_answers
+        """Every engine is clawrl's own server: the default generate functions ask it for packed logprobs
+        (`compact_logprobs`, clawrl/fast_json.py); an SGLang server would refuse the field."""
         self._clients = {url: self._client(url) for url in urls}
         self._outstanding = dict.fromkeys(urls, 0)
         self._served = dict.fromkeys(urls, 0)

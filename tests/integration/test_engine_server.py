@@ -7,6 +7,7 @@ One server serves the whole module (tests that change its state restore it). Mod
 
 import asyncio
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 import torch
 from cpu_server import cpu_server
 
+from clawrl import fast_json
 from clawrl.engine.async_engine import AsyncEngine, EngineUnavailableError
 from clawrl.engine.config import EngineConfig
 from clawrl.engine.core.engine import Engine
@@ -132,6 +134,40 @@ def test_logprobs_match_a_full_forward(client, models):
     assert torch.allclose(torch.tensor([t[0] for t in triples]), expected, atol=1e-5, rtol=0)
     again = client.generate(input_ids=prompt, sampling_params=params)
     assert again["output_ids"] == out["output_ids"]  # same seed, same tokens
+
+
+def test_compact_logprobs_carry_the_same_floats_bit_for_bit(client):
+    """clawrl's compact_logprobs (the rollout asks its own engines for them): the logprobs of output_ids packed
+    as float64 bytes, the weight versions as runs; the same tokens and the same floats as SGLang's triples."""
+    prompts = [[5, 17, 300, 42], [7, 900, 11]]
+    params = {"max_new_tokens": 9, "temperature": 0.9, "seed": 4, "ignore_eos": True, "n": 2}
+    plain = client.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    compact = client.generate(
+        input_ids=prompts, sampling_params=params, return_logprob=True, compact_logprobs=True
+    )
+    assert len(plain) == len(compact) == 4
+    for a, b in zip(plain, compact, strict=True):
+        assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
+        ma, mb = a["meta_info"], b["meta_info"]
+        assert "output_token_logprobs" not in mb and "output_token_weight_versions" not in mb
+        floats = fast_json.unpack_floats(mb["output_token_logprobs_b64"])
+        assert [struct.pack("<d", t[0]) for t in ma["output_token_logprobs"]] == [
+            struct.pack("<d", v) for v in floats
+        ]
+        assert mb["output_token_weight_version_runs"] == [[ma["weight_version"], 9]]
+        assert ma["output_token_weight_versions"] == [ma["weight_version"]] * 9
+    with pytest.raises(EngineClientError) as info:
+        client.generate(
+            input_ids=[1, 2], return_logprob=True, compact_logprobs=True, return_text_in_logprobs=True
+        )
+    assert info.value.status_code == 400 and "send return_text_in_logprobs false" in info.value.message
+    streamed = list(client.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 3, **GREEDY},
+                                    return_logprob=True, compact_logprobs=True, stream=True))  # fmt: skip
+    assert [len(fast_json.unpack_floats(c["meta_info"]["output_token_logprobs_b64"])) for c in streamed] == [
+        1,
+        2,
+        3,
+    ]
 
 
 def test_generate_batch_and_n(client):

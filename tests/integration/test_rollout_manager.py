@@ -167,9 +167,11 @@ def test_rollout_batch_rewards_logprobs_weight_versions_and_metrics(model_dir, e
     # its connections to the run's own engines outlive a train step (the engines' server keeps them 30 s);
     # an external server's idle timeout is not known: the 2 s any server allows
     assert manager.router.keepalive_s == OWN_ENGINE_KEEPALIVE_EXPIRY_S
+    assert manager.router.compact_answers  # its own engines answer with packed logprobs
     job.resources.rollout_external_engine_addrs = [e.url for e in engines]
     with _manager(job, engines) as external:
         assert external.router.keepalive_s == KEEPALIVE_EXPIRY_S
+        assert not external.router.compact_answers  # SGLang's server has no compact_logprobs field
         assert {c.keepalive_s for c in external.router._clients.values()} == {KEEPALIVE_EXPIRY_S}
     assert 0 <= metrics["perf/rollout_gc_time"] < metrics["perf/rollout_time"]
     assert len(batch) == 2 * 4 and batch.sample_indices == list(range(8))

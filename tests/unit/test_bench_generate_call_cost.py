@@ -20,9 +20,10 @@ def test_every_piece_is_timed_and_the_heap_is_thawed_after(bench):
     args = argparse.Namespace(group_size=2, prompt_len=8, new_tokens=16, vocab=2048, calls=3, json_out=None)
     result = bench.measure(args)
     assert gc.get_freeze_count() == 0  # the script froze the heap to time, and thawed it
-    pieces = {name: ms for name, ms in result.items() if name != "answer_bytes"}
-    assert len(pieces) == 8 and all(ms > 0 for ms in pieces.values())
+    pieces = {name: ms for name, ms in result.items() if not name.endswith("answer_bytes")}
+    assert len(pieces) == 12 and all(ms > 0 for ms in pieces.values())
     assert result["answer_bytes"] > 2 * 16 * 10  # two samples' triples at least
+    assert 2 * 16 * 8 < result["compact_answer_bytes"] < result["answer_bytes"]  # packed float64s
 
 
 def test_the_call_it_times_is_the_rollouts_call(bench):

@@ -224,6 +224,13 @@ def test_answer_logprob_triples_are_json_arrays_and_lengths_must_agree():
     item = fast_json.loads(fast_json.dumps(generate_item(result, req, None, 0.0)))
     assert item["meta_info"]["output_token_logprobs"] == [[-0.25, 5, None], [-1.5, 7, None]]
     assert item["output_ids"] == [5, 7] and item["meta_info"]["output_token_weight_versions"] == ["3", "3"]
+    compact = parse_request(
+        GenerateRequest, {"input_ids": [1, 2], "return_logprob": True, "compact_logprobs": True}
+    )
+    meta = fast_json.loads(fast_json.dumps(generate_item(result, compact, None, 0.0)))["meta_info"]
+    assert fast_json.unpack_floats(meta["output_token_logprobs_b64"]) == [-0.25, -1.5]
+    assert meta["output_token_weight_version_runs"] == [["3", 2]]
     result.logprobs.append(-2.0)  # an engine bug: one logprob too many must not be cut off silently
-    with pytest.raises(ValueError, match="zip"):
-        generate_item(result, req, None, 0.0)
+    for request in (req, compact):
+        with pytest.raises(ValueError, match="request r: 3 logprobs for 2 tokens"):
+            generate_item(result, request, None, 0.0)

@@ -56,3 +56,25 @@ def test_non_finite_floats_become_null():
 def test_bad_json_is_a_value_error(bad):
     with pytest.raises(ValueError):
         fast_json.loads(bad)
+
+
+def test_packed_floats_keep_every_bit_and_bad_text_names_the_field():
+    rng = random.Random(1)
+    values = [-rng.random() * 30 for _ in range(500)] + [-0.0, 5e-324, float("-inf"), -1.7976931348623157e308]
+    packed = fast_json.pack_floats(values)
+    assert [struct.pack("<d", v) for v in fast_json.unpack_floats(packed)] == [
+        struct.pack("<d", v) for v in values
+    ]
+    assert fast_json.pack_floats([-0.25, -1.5]) == "AAAAAAAA0L8AAAAAAAD4vw=="  # little-endian float64 bytes
+    nan = fast_json.unpack_floats(fast_json.pack_floats([float("nan")]))
+    assert len(nan) == 1 and nan[0] != nan[0]
+    assert fast_json.unpack_floats("") == [] and fast_json.pack_floats([]) == ""
+    with pytest.raises(ValueError, match=r"meta_info.x is not base64: 'no!'"):
+        fast_json.unpack_floats("no!", field="meta_info.x")
+    with pytest.raises(ValueError, match=r"meta_info.x holds 3 bytes, not a whole number of float64 values"):
+        fast_json.unpack_floats("AAAA", field="meta_info.x")
+
+
+def test_version_runs_group_consecutive_values():
+    assert fast_json.version_runs(["3", "3", "4", "4", "4", "3"]) == [["3", 2], ["4", 3], ["3", 1]]
+    assert fast_json.version_runs([]) == []

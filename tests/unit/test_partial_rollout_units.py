@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from clawrl import fast_json
 from clawrl.cli.main import main
 from clawrl.config import ConfigError, build_job_parser, job_from_namespace, validate
 from clawrl.config.loop_rules import check_loop_flags
@@ -19,7 +20,7 @@ from clawrl.data.sample import Sample, Status
 from clawrl.loops.async_ import sync_due
 from clawrl.rollout.data_source import RolloutDataSource
 from clawrl.rollout.default_rollout import GroupGenerator
-from clawrl.rollout.generate import segment_versions
+from clawrl.rollout.generate import _logprob_fields, apply_output, segment_versions
 from clawrl.rollout.hooks import GenerateFunctions
 from clawrl.rollout.partial import (
     PartialStats,
@@ -147,6 +148,39 @@ def test_partial_groups_survive_the_state_dict():
 
 
 # ------------------------------------------------------------------------------------------ segment versions
+def test_apply_output_takes_sglangs_triples_and_clawrls_packed_logprobs_alike():
+    logprobs, ids = [-0.1234567890123, -2.5, -7.75], [11, 12, 13]
+    finish = {"type": "length", "length": 3}
+    triples = {"text": "abc", "output_ids": ids, "meta_info": {"finish_reason": finish, "weight_version": "4",
+               "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)],
+               "output_token_weight_versions": ["3", "4", "4"]}}  # fmt: skip
+    packed = {"text": "abc", "output_ids": ids, "meta_info": {"finish_reason": finish, "weight_version": "4",
+              "output_token_logprobs_b64": fast_json.pack_floats(logprobs),
+              "output_token_weight_version_runs": [["3", 1], ["4", 2]]}}  # fmt: skip
+    samples = [Sample(index=0, group_index=0, tokens=[7, 8]) for _ in range(2)]
+    for sample, output in zip(samples, (triples, packed), strict=True):
+        apply_output(sample, output)
+    a, b = samples
+    assert b.tokens == a.tokens == [7, 8, 11, 12, 13] and b.response == a.response == "abc"
+    assert b.rollout_log_probs == a.rollout_log_probs == logprobs
+    assert b.weight_versions == a.weight_versions == ["3", "4"] and b.status == a.status
+    short = {
+        **packed,
+        "meta_info": {**packed["meta_info"], "output_token_logprobs_b64": fast_json.pack_floats([-1.0])},
+    }
+    with pytest.raises(
+        ValueError, match=r"sample 0: the engine's /generate response has 1 logprobs for 3 output_ids"
+    ):
+        apply_output(Sample(index=0, group_index=0, tokens=[7]), short)
+    # the request asks for packed logprobs only where every engine is clawrl's own (an SGLang server refuses it)
+    assert _logprob_fields(SimpleNamespace(compact_answers=True)) == {
+        "return_logprob": True,
+        "compact_logprobs": True,
+    }
+    assert _logprob_fields(SimpleNamespace(compact_answers=False)) == {"return_logprob": True}
+    assert _logprob_fields(object()) == {"return_logprob": True}  # a plugin's own router
+
+
 def test_segment_versions_of_one_generate_response():
     assert segment_versions({"weight_version": "3", "finish_reason": {"type": "stop"}}, 2) == ["3"]
     per_token = {"weight_version": "4", "output_token_weight_versions": ["3", "3", "4", "4"]}
@@ -154,6 +188,8 @@ def test_segment_versions_of_one_generate_response():
     aborted_empty = {"weight_version": "3", "finish_reason": {"type": "abort"}}
     assert segment_versions(aborted_empty, 0) == []  # nothing generated: no segment
     assert segment_versions({"weight_version": "3", "finish_reason": {"type": "stop"}}, 0) == ["3"]
+    runs = {"weight_version": "4", "output_token_weight_version_runs": [["3", 2], ["4", 2]]}
+    assert segment_versions(runs, 4) == ["3", "4"]  # compact answers carry the runs
 
 
 # ---------------------------------------------------------------------------------------------- flag rules

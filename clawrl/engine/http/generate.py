@@ -12,6 +12,10 @@ Response item (one per prompt and sample; a batch or n > 1 gives a list, prompt-
         logprob_start_len]  (logprob_start_len >= 0; the first prompt token has null),
      "input_top_logprobs": [null or [[logprob, token_id, text_or_null], ...] per prompt token]  (both),
      "output_token_weight_versions": [str, ...]  (with return_logprob),
+     "output_token_logprobs_b64": str, "output_token_weight_version_runs": [[str, count], ...]  (clawrl's
+        `compact_logprobs`: instead of output_token_logprobs and output_token_weight_versions, the logprobs
+        of output_ids as clawrl.fast_json.pack_floats and the versions as runs; the rollout asks its own
+        engines for them, for ~6x less of its CPU per answer),
      "received_at", "finished_at", "answered_at"  (clawrl's, non-streaming: time.monotonic() of this host
         when the handler got the request, the engine finished it, the answer was built; a client on the
         same host compares them with its own monotonic clock: clawrl/rollout/timeline.py)}}
@@ -333,6 +337,7 @@ class GenerateRequest(RequestModel):
     sampling_params: Any = GenerateSamplingParams()
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
+    compact_logprobs: bool = False  # clawrl's: the output logprobs packed (module docstring); SGLang has none
     stream: bool = False
     rid: Any = None
     # With return_logprob: the prompt's logprobs from this position (-1: none), and the top alternatives.
@@ -375,6 +380,9 @@ class GenerateRequest(RequestModel):
                 f"got {clip_repr(self.input_ids)}"
             )
         self._check_unsupported()
+        if self.compact_logprobs and self.return_text_in_logprobs:
+            raise ValueError("compact_logprobs packs the logprobs without token texts: "
+                             "send return_text_in_logprobs false with it")  # fmt: skip
         self._check_rid()
         self._check_sampling_list()
         return self
@@ -580,7 +588,10 @@ def generate_item(
         meta.update(received_at=started, finished_at=result.finished_at, answered_at=time.monotonic())
     if req.return_logprob:
         meta.update(_logprob_meta(result, req, tokenizer, prompt_logprobs))
-        meta["output_token_weight_versions"] = list(result.weight_versions)
+        if req.compact_logprobs:
+            meta["output_token_weight_version_runs"] = fast_json.version_runs(result.weight_versions)
+        else:
+            meta["output_token_weight_versions"] = list(result.weight_versions)
     return {"text": result.text, "output_ids": list(result.output_ids), "meta_info": meta}
 
 
@@ -595,12 +606,17 @@ def _logprob_meta(
     def tops(pairs: list | None) -> list | None:
         return None if pairs is None else [entry(logprob, token) for logprob, token in pairs]
 
-    tokens = result.output_ids
-    if req.return_text_in_logprobs:
-        pairs = [entry(lp, t) for lp, t in zip(result.logprobs, tokens, strict=True)]
-    else:  # the rollout's case, every token of every sample: tuples built by zip in C (JSON arrays alike)
-        pairs = list(zip(result.logprobs, tokens, itertools.repeat(None, len(tokens)), strict=True))
-    meta: dict[str, Any] = {"output_token_logprobs": pairs}
+    tokens, logprobs = result.output_ids, result.logprobs
+    if len(logprobs) != len(tokens):
+        raise ValueError(f"request {result.request_id}: {len(logprobs)} logprobs for {len(tokens)} tokens")
+    meta: dict[str, Any]
+    if req.compact_logprobs:  # the rollout's own engines: the logprobs of output_ids, packed
+        meta = {"output_token_logprobs_b64": fast_json.pack_floats(logprobs)}
+    elif req.return_text_in_logprobs:
+        meta = {"output_token_logprobs": [entry(lp, t) for lp, t in zip(logprobs, tokens, strict=True)]}
+    else:  # every token of every sample: tuples built by zip in C (JSON arrays alike)
+        triples = zip(logprobs, tokens, itertools.repeat(None, len(tokens)), strict=True)
+        meta = {"output_token_logprobs": list(triples)}
     if req.top_logprobs_num > 0:
         meta["output_top_logprobs"] = [tops(pairs) for pairs in result.top_logprobs]
     if req.logprob_start_len >= 0:
