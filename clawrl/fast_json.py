@@ -8,11 +8,12 @@ bit. Non-finite floats become null (standard JSON has no NaN or infinity); the e
 tokens are finite.
 
 The compact fields of a `/generate` answer (`compact_logprobs`, asked for by the rollout's own engines'
-client): parsing 2,048 logprobs written as 17-digit decimals and 2,048 weight-version strings was most of the
-client's CPU per answer (8 x 256 tokens: 0.70 ms, against 0.12 ms compact, 2-core workstation, 2026-12-07),
-and the rollout's last answers are parsed one after another in its tail. So the logprobs travel as the
-base64 of their IEEE-754 float64 bytes, little-endian (the exact Python floats: every bit, -inf and NaN
-included), and the per-token weight versions as runs:
+client): parsing 2,048 logprobs written as 17-digit decimals and 2,048 weight-version strings was most of
+the client's CPU per answer (8 x 256 tokens, parse and apply_output: 0.68 ms, compact 0.22 ms;
+bench/generate_call_cost.py, 2-core workstation, 2026-12-07), and the rollout's last answers are parsed one
+after another in its tail. So the logprobs travel as the base64 of their IEEE-754 float64 bytes,
+little-endian (the exact Python floats: every bit, -inf and NaN included), and the per-token weight
+versions as runs:
 
     pack_floats([-0.25, -1.5]) -> "AAAAAAAA0L8AAAAAAAD4vw=="      unpack_floats(text) -> [-0.25, -1.5]
     version_runs(["3", "3", "4"]) -> [["3", 2], ["4", 1]]

@@ -15,7 +15,7 @@ Response item (one per prompt and sample; a batch or n > 1 gives a list, prompt-
      "output_token_logprobs_b64": str, "output_token_weight_version_runs": [[str, count], ...]  (clawrl's
         `compact_logprobs`: instead of output_token_logprobs and output_token_weight_versions, the logprobs
         of output_ids as clawrl.fast_json.pack_floats and the versions as runs; the rollout asks its own
-        engines for them, for ~6x less of its CPU per answer),
+        engines for them: ~2x less CPU per answer on the server, ~3x on the client),
      "received_at", "finished_at", "answered_at"  (clawrl's, non-streaming: time.monotonic() of this host
         when the handler got the request, the engine finished it, the answer was built; a client on the
         same host compares them with its own monotonic clock: clawrl/rollout/timeline.py)}}
