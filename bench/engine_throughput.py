@@ -60,6 +60,7 @@ import gc
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -178,9 +179,17 @@ def make_engine(path: Path, args, *, max_running: int, dtype: str = "bfloat16", 
             true_on_policy_mode=getattr(args, "true_on_policy", False),
         )
     )  # fmt: skip
+    mode = ""
+    if engine.config.true_on_policy_mode:
+        from clawrl.models.batch_invariant import kernel_choices
+
+        choices = kernel_choices(engine.model)
+        on_cublas = sum(1 for kernel in choices.values() if kernel != "triton")
+        mode = f", true-on-policy mode: {on_cublas} of {len(choices)} linears on cuBLAS"
+        by_kind = {re.sub(r"\.\d+\.", ".*.", name): kernel for name, kernel in choices.items()}
+        RESULTS.setdefault("true_on_policy_kernels", {})[path.name] = by_kind
     print(f"  engine ready in {time.perf_counter() - start:.1f} s "
-          f"({engine.kv_cache.num_blocks} KV blocks, graphs {'on' if cuda_graph else 'off'}"
-          f"{', true-on-policy mode' if engine.config.true_on_policy_mode else ''})")  # fmt: skip
+          f"({engine.kv_cache.num_blocks} KV blocks, graphs {'on' if cuda_graph else 'off'}{mode})")  # fmt: skip
     return engine
 
 

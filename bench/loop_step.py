@@ -15,6 +15,9 @@ samples (tests/integration/loop_reward.py), so every step updates the weights. R
   no-offload   --colocate --no-offload-train --no-offload-rollout: both stay resident on the one GPU (what
                "split" can be on a single GPU: clawrl's split placement needs trainer GPUs + engine GPUs)
   split        trainer and engine on GPUs of their own (needs >= 2 GPUs; "n/a" otherwise)
+  colocate-true-on-policy
+               --colocate --true-on-policy-mode: the batch-invariant kernels on both sides; the run's largest
+               train/train_rollout_logprob_abs_diff is printed (0 when the mode holds)
 
 On CPU every placement is clawrl's cpu mode (one trainer process, one engine process): one run, mode "cpu".
 
@@ -94,8 +97,10 @@ MODES = {
     "colocate-late-onload": ["--colocate", "--disable-onload-during-rollout"],
     "no-offload": ["--colocate", "--no-offload-train", "--no-offload-rollout"],
     "split": ["--rollout-num-gpus", "1"],
+    "colocate-true-on-policy": ["--colocate", "--true-on-policy-mode"],
     "cpu": [],
 }
+LOGPROB_DIFF = "train/train_rollout_logprob_abs_diff"
 
 # (label, loop metric, standalone key, level): level-0 rows partition the step, level-1 rows split the rollout.
 ROWS = (
@@ -469,6 +474,8 @@ def run_shape(shape: str, args, device: str, num_gpus: int) -> dict:
             result["modes"][mode] = {"error": str(error)}
             continue
         entry = {"metrics": rows, "loop": loop_phases(rows, warmup=1), "per_rollout": per_rollout(rows)}
+        diffs = [row[LOGPROB_DIFF] for row in rows if LOGPROB_DIFF in row]
+        entry["max_train_rollout_logprob_abs_diff"] = max(diffs) if diffs else None
         result["modes"][mode] = entry
         print(
             f"\n{shape} {mode}, the engine per rollout:\n{per_rollout_markdown(entry['per_rollout'])}",
@@ -538,6 +545,7 @@ def print_tables(results: dict) -> None:
             if "table" in entry:
                 print(markdown(entry["table"], title) + "\n")
                 print(per_rollout_markdown(entry["per_rollout"]) + "\n")
+                print(f"max {LOGPROB_DIFF} over the run: {entry.get('max_train_rollout_logprob_abs_diff')}\n")
             else:
                 print(f"### {title}\n\nn/a: {entry.get('n/a') or entry.get('error')}\n")
 

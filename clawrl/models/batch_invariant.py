@@ -45,8 +45,9 @@ split changes the speed only, never a bit: the order depends on K alone.
 Cost: no split-KV leaves small decode batches' attention with fewer programs than SMs, and the attention
 kernel re-reads keys per query token; logits are bf16 (the engine's) instead of the trainer's fp32.
 
-On CPU the kernels run only under the Triton interpreter (TRITON_INTERPRET=1, tests); there bf16 tl.dot
-operands are upcast to fp32 (the interpreter would multiply their raw bits).
+On CPU the kernels run only under the Triton interpreter (TRITON_INTERPRET=1, tests); there every dot is
+an explicit fp32 multiply-and-sum in k order (_sum_dot), not numpy's matmul (bf16 operands would be
+multiplied as raw bits, and fp32 rows get bits that depend on their place in the tile on some CPUs).
 
 Shapes: M = rows, K = input features, N = output features, V = vocab, T = tokens, Hq / Hkv = query / KV
 heads, D = head_dim, S = sequences.
@@ -63,6 +64,7 @@ import triton.language as tl
 from torch import nn
 
 from clawrl.models.attention import VarlenAttention
+from clawrl.models.cublas_rows import KernelLinear, choose_kernels, cublas_linear
 from clawrl.models.layers import RMSNorm, enable_train_kernels
 from clawrl.models.triton_train_ops import sm_count
 
@@ -120,9 +122,20 @@ _ELEMENTWISE_DEVICES = frozenset({"cuda", "cpu"} if _INTERPRETED else {"cuda"})
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
-    """fp32 operands: exact IEEE products; bf16/fp16: tensor cores (upcast under the interpreter)."""
-    dot_fp32 = _INTERPRETED and dtype != torch.float32
-    return {"PRECISION": "ieee" if dtype == torch.float32 or dot_fp32 else "tf32", "DOT_FP32": dot_fp32}
+    """fp32 operands: exact IEEE products; bf16/fp16: tensor cores. Under the interpreter every dot is
+    _sum_dot (DOT_FP32): tl.dot there is numpy's matmul, whose bits for a row can depend on the row's place
+    in the tile (on an AMD EPYC, rows 6-15 of a 16 x 16 fp32 block differ from the same row at 0-5)."""
+    return {
+        "PRECISION": "ieee" if dtype == torch.float32 or _INTERPRETED else "tf32",
+        "DOT_FP32": _INTERPRETED,
+    }
+
+
+@triton.jit
+def _sum_dot(a, b):
+    """a [M, K] @ b [K, N] as fp32 products summed over k in order (the interpreter's dot: numpy reduces a
+    middle axis one k slice after another, the same for every row)."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
 # ------------------------------------------------------------------------------------------------- linear
@@ -140,8 +153,9 @@ def _linear_chunk(x_ptr, w_ptr, rm, rn, M, N, k_start, k_end, stride_xm, stride_
         w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :],
                     mask=(rn < N)[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         if DOT_FP32:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        part = tl.dot(x, tl.trans(w), part, input_precision=PRECISION)
+            part += _sum_dot(x, tl.trans(w))
+        else:
+            part = tl.dot(x, tl.trans(w), part, input_precision=PRECISION)
     return part
 
 
@@ -257,25 +271,9 @@ def linear_forward(
     return out
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_MK, weight_NK, bias_N):
-        ctx.save_for_backward(x_MK, weight_NK)
-        ctx.has_bias = bias_N is not None
-        return linear_forward(x_MK, weight_NK, bias_N)
-
-    @staticmethod
-    def backward(ctx, grad_MN):
-        x_MK, weight_NK = ctx.saved_tensors
-        grad_x = grad_MN @ weight_NK if ctx.needs_input_grad[0] else None
-        grad_w = grad_MN.t() @ x_MK if ctx.needs_input_grad[1] else None
-        grad_b = grad_MN.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with the batch-invariant kernel: x [..., K], weight [N, K] -> [..., N] in x.dtype."""
-    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    out = KernelLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, linear_forward)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -463,8 +461,6 @@ def _attention_kernel(
     q = tl.load(
         q_ptr + token * stride_qn + heads[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0
     )
-    if DOT_FP32:
-        q = q.to(tl.float32)
     acc = tl.full([ROWS, D_PAD], 0, tl.float32)
     m_i = tl.full([ROWS], 0, tl.float32) + NEG_BIG
     l_i = tl.full([ROWS], 0, tl.float32)
@@ -481,8 +477,9 @@ def _attention_kernel(
         kv_mask = k_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
         if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = _sum_dot(q, tl.trans(k)) * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(k_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -491,8 +488,9 @@ def _attention_kernel(
         v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
         p = p.to(v_ptr.dtype.element_ty)
         if DOT_FP32:
-            v, p = v.to(tl.float32), p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + _sum_dot(p, v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + token * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
@@ -640,10 +638,23 @@ class PagedBatchInvariantAttention:
 
 # ----------------------------------------------------------------------------------------- model switch
 class BatchInvariantLinear(nn.Linear):
-    """nn.Linear whose forward is the batch-invariant kernel (same parameters and state-dict names)."""
+    """nn.Linear whose forward is the batch-invariant kernel (same parameters and state-dict names): cuBLAS
+    in checked row blocks where its group passed cublas_rows.rows_check, else the Triton linear."""
+
+    cublas_block_rows: int = 0
+    """Set by enable_batch_invariant (cublas_rows.choose_kernels): 0 = the Triton kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return head_linear(self, x, self.weight)
+
+
+def head_linear(layer: nn.Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`layer`'s product by the kernel enable_batch_invariant chose for it, with `weight` (the trainer's
+    log-prob pass gives the LM head's weight itself)."""
+    rows_per_block = getattr(layer, "cublas_block_rows", 0)
+    if rows_per_block:
+        return cublas_linear(x, weight, layer.bias, rows_per_block)
+    return linear(x, weight, layer.bias)
 
 
 class BatchInvariantRMSNorm(RMSNorm):
@@ -666,11 +677,16 @@ def attend(backend, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
     )
 
 
-def enable_batch_invariant(model: nn.Module) -> int:
+def enable_batch_invariant(model: nn.Module, *, compute_dtype: torch.dtype | None = None) -> int:
     """Route a native CausalLM's Linear layers (LM head and packed ones included), RMSNorms and attention
     through the batch-invariant kernels, and its RoPE and SiLU * up through the fused elementwise kernels
     (on CUDA; on CPU too under the Triton interpreter). Call before FSDP wraps it. Returns the number of
-    modules switched."""
+    modules switched (0 for a model already switched: calling it again only re-reads the verdicts).
+
+    On CUDA each group of Linear layers takes cuBLAS if it passes cublas_rows.rows_check in `compute_dtype`
+    (the dtype its forward multiplies in: the parameters' unless given; the trainer's fp32 master weights
+    run in bf16), else the Triton linear. CLAWRL_TRUE_ON_POLICY_CUBLAS=0 keeps Triton for every layer (a
+    benchmark's comparison; the engine and the trainer must then both see it)."""
     from clawrl.models.moe import SparseMoeBlock
 
     if _INTERPRETED is False and not torch.cuda.is_available():
@@ -684,11 +700,26 @@ def enable_batch_invariant(model: nn.Module) -> int:
             module.__class__ = BatchInvariantLinear
         elif type(module) is RMSNorm:
             module.__class__ = BatchInvariantRMSNorm
-        elif isinstance(getattr(type(module), "batch_invariant", None), bool):  # decoder.Attention (which
-            module.batch_invariant = True  # imports this module: not imported here)
+        elif isinstance(getattr(type(module), "batch_invariant", None), bool) and not module.batch_invariant:
+            module.batch_invariant = True  # decoder.Attention (which imports this module: not imported here)
         else:
             continue
         switched += 1
     enable_train_kernels(model, _ELEMENTWISE_DEVICES)  # RoPE and SiLU * up: the fused elementwise kernels
     model.batch_invariant = True  # read by the trainer's log-prob pass (clawrl/trainer/rl_step.py)
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type == "cuda" and os.environ.get(CUBLAS_ENV, "1") != "0":
+        choose_kernels(model, compute_dtype or param.dtype, param.device)
     return switched
+
+
+CUBLAS_ENV = "CLAWRL_TRUE_ON_POLICY_CUBLAS"
+
+
+def kernel_choices(model: nn.Module) -> dict[str, str]:
+    """Linear layer name -> its kernel ("cublas" or "triton"), for logs and tests."""
+    return {
+        name: "cublas" if getattr(m, "cublas_block_rows", 0) else "triton"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    }

@@ -140,7 +140,9 @@ class TrainActor:
             if model_cfg.uses_true_on_policy:  # the engines' batch-invariant kernels (--true-on-policy-mode)
                 from clawrl.models.batch_invariant import enable_batch_invariant
 
-                enable_batch_invariant(model)
+                enable_batch_invariant(
+                    model, compute_dtype=torch.bfloat16 if self.device.type == "cuda" else None
+                )
             elif self.job.train.train_kernels == "triton":  # fused RMSNorm/SiLU/RoPE on CUDA tensors only
                 enable_train_kernels(model)
         if self.lora is not None:  # before wrapping: FSDP2 shards the frozen base and the adapters alike

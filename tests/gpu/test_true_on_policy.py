@@ -8,6 +8,11 @@ engine's bit for bit.
   Qwen2 model of moderate size (and 16 of a Qwen3 one, q/k norms); the trainer's log-prob pass
   (rl_step.forward_log_probs, native non-fused model, packed micro-batches of several sequences) gives
   `torch.equal` log-probs; the default trainer path on the same sequences does not (the test can fail).
+- cuBLAS where checked (clawrl/models/cublas_rows.py): for the Qwen2.5-0.5B and 1.5B matmuls, the set-up
+  check's verdict on this GPU is printed, and for each group that passes, the padded row blocks give a row
+  the same bits at row counts and offsets the check never ran (1, 3, 77, 1000 rows, at offset 5), across
+  block boundaries, and each part of a packed weight its columns' bits. The end-to-end test runs with the
+  kernels the check chose and with the Triton linear everywhere (CLAWRL_TRUE_ON_POLICY_CUBLAS=0).
 - cost: engine throughput with the mode on and off on the same prompts, printed for docs/benchmarks.md;
   asserted only to be >= 0.5x.
 
@@ -24,6 +29,7 @@ from clawrl.engine.config import EngineConfig
 from clawrl.engine.core.engine import Engine
 from clawrl.engine.core.request import SamplingParams
 from clawrl.models import batch_invariant as bi
+from clawrl.models import cublas_rows as cr
 from clawrl.models.attention import VarlenAttention
 from clawrl.models.hf_io import load_model
 from clawrl.models.layers import enable_train_kernels
@@ -130,6 +136,48 @@ def _bf16():
     return {"dtype": torch.bfloat16, "device": "cuda"}
 
 
+CUBLAS_GROUPS = {  # the matmuls of Qwen2.5-0.5B and -1.5B (qkv with bias; the LM head of the 152k vocab)
+    "0.5b qkv": cr.LinearGroup(896, (896, 128, 128), True), "0.5b o": cr.LinearGroup(896, (896,), False),
+    "0.5b gate_up": cr.LinearGroup(896, (4864, 4864), False), "0.5b down": cr.LinearGroup(4864, (896,), False),
+    "lm_head 896": cr.LinearGroup(896, (151936,), False),
+    "1.5b qkv": cr.LinearGroup(1536, (1536, 256, 256), True), "1.5b o": cr.LinearGroup(1536, (1536,), False),
+    "1.5b gate_up": cr.LinearGroup(1536, (8960, 8960), False), "1.5b down": cr.LinearGroup(8960, (1536,), False),
+    "lm_head 1536": cr.LinearGroup(1536, (151936,), False),
+}  # fmt: skip
+
+
+def test_cublas_groups_that_pass_their_check_keep_a_rows_bits_anywhere():
+    device = torch.device("cuda")
+    start = time.perf_counter()
+    kernels = {name: cr.group_kernel(group, torch.bfloat16, device) for name, group in CUBLAS_GROUPS.items()}
+    seconds = time.perf_counter() - start
+    print(f"\n[cublas rows] {torch.cuda.get_device_name()}: check {seconds:.2f} s, kernels {kernels}")
+    for name, group in CUBLAS_GROUPS.items():
+        if kernels[name] == "triton":
+            continue
+        cols = sum(group.widths)
+        rows = cr.block_rows(cols)
+        num_rows = 2 * rows + 77  # three blocks, the last one padded
+        x = randn(num_rows, group.k_dim, seed=3)
+        weight = randn(cols, group.k_dim, seed=4, scale=group.k_dim**-0.5)
+        bias = randn(cols, seed=5) if group.has_bias else None
+        full = cr.cublas_linear_forward(x, weight, bias, rows)
+        torch.testing.assert_close(full.float(), torch.nn.functional.linear(x, weight, bias).float(),
+                                   atol=0.05, rtol=0.02)  # fmt: skip
+        for count in (1, 3, 77, 1000):
+            for offset in (0, 5, rows - 3):  # the last one straddles a block boundary of `full`
+                got = cr.cublas_linear_forward(x[offset : offset + count], weight, bias, rows)
+                assert torch.equal(got, full[offset : offset + count]), (name, count, offset)
+        lo = 0
+        for width in group.widths if len(group.widths) > 1 else ():
+            part_b = None if bias is None else bias[lo : lo + width]
+            part = cr.cublas_linear_forward(x[:300], weight[lo : lo + width].contiguous(), part_b, rows)
+            assert torch.equal(part, full[:300, lo : lo + width]), (name, lo)
+            lo += width
+        del x, weight, full
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])
 def model_dir(request, tmp_path_factory):
     return request.param, build_tiny_model(
@@ -182,11 +230,14 @@ def trainer_log_probs(path, tokens, response_lengths, *, true_on_policy):
                 batch, list(range(start, min(start + 24, len(tokens)))), torch.device("cuda")
             )
             out.append(forward_log_probs(model, mb, TEMPERATURE, with_entropy=False)[0])
-    return torch.cat(out)
+    return torch.cat(out), bi.kernel_choices(model)
 
 
-def test_trainer_log_probs_equal_the_engines_bit_for_bit(model_dir):
+@pytest.mark.parametrize("kernels", ["checked-cublas", "triton"])
+def test_trainer_log_probs_equal_the_engines_bit_for_bit(model_dir, kernels, monkeypatch):
     arch, path = model_dir
+    if kernels == "triton":
+        monkeypatch.setenv(bi.CUBLAS_ENV, "0")
     prompts, params = prompts_and_params(64 if arch == "qwen2" else 16)
     results, tok_s_on = generate(path, prompts, params, true_on_policy=True)
     _, tok_s_off = generate(path, prompts, params, true_on_policy=False)
@@ -197,9 +248,13 @@ def test_trainer_log_probs_equal_the_engines_bit_for_bit(model_dir):
     engine_lp = torch.tensor(
         [lp for r in results for lp in r["logprobs"]], dtype=torch.float32, device="cuda"
     )
-    exact = trainer_log_probs(path, tokens, lengths, true_on_policy=True)
+    exact, choices = trainer_log_probs(path, tokens, lengths, true_on_policy=True)
+    on_cublas = sorted({f"{name.rsplit('.', 1)[-1]}: {k}" for name, k in choices.items() if k != "triton"})
+    print(f"[true-on-policy] {arch} ({kernels}): linears on cuBLAS: {on_cublas or 'none'}")
+    if kernels == "triton":
+        assert not on_cublas
     assert torch.equal(exact, engine_lp), (exact - engine_lp).abs().max()
-    default = trainer_log_probs(path, tokens, lengths, true_on_policy=False)
+    default, _ = trainer_log_probs(path, tokens, lengths, true_on_policy=False)
     diff = (default - engine_lp).abs()
     print(
         f"[true-on-policy] {arch}: default trainer path |diff| mean {diff.mean():.3g}, max {diff.max():.3g}"

@@ -215,6 +215,21 @@ def test_enable_batch_invariant_switches_the_model_and_keeps_its_numbers():
     torch.testing.assert_close(hidden, reference(ids, positions.to(DEVICE), attn), atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="not batch-invariant"):
         bi.attend(object(), 0, None, None, None, 1.0)
+    if DEVICE == "cpu":  # no CUDA: no cuBLAS check ran, every linear keeps the Triton kernel
+        assert set(bi.kernel_choices(model).values()) == {"triton"}
+    assert bi.enable_batch_invariant(model) == 0  # a second call switches nothing more
+
+
+def test_a_linear_with_cublas_blocks_skips_the_triton_kernel(monkeypatch):
+    layer = torch.nn.Linear(16, 24).to(DEVICE)
+    bi.enable_batch_invariant(layer)
+    x = randn(70, 16, seed=3)
+    triton_out = layer(x)
+    layer.cublas_block_rows = 64  # what cublas_rows.choose_kernels sets for a group that passed its check
+    monkeypatch.setattr(bi, "linear", lambda *a: pytest.fail("the Triton linear ran"))
+    out = layer(x)
+    torch.testing.assert_close(out, triton_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bi.head_linear(layer, x, layer.weight), out, atol=0, rtol=0)
 
 
 def test_enable_batch_invariant_refuses_moe():

@@ -126,6 +126,12 @@ class Engine:
             stable = self.device.type == "cuda" and stable_memory_available()
             if stable:
                 self._weights_buffer = move_parameters_into(self.model, self.device)
+            if config.true_on_policy_mode and self.device.type == "cuda":
+                from clawrl.models.batch_invariant import enable_batch_invariant
+
+                enable_batch_invariant(
+                    self.model
+                )  # its cuBLAS row checks, before the KV cache takes the memory
             self.kv_cache = build_kv_cache(
                 config, self.model_args, dtype=dtype, device=self.device, stable=stable
             )
