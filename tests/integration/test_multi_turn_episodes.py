@@ -67,7 +67,11 @@ def _conversation(a: int, b: int, result: int) -> list[dict]:
 
 def _sft(model_dir: Path, tokenizer, max_steps: int = 600) -> None:
     """Plain SFT on the assistant tokens of PROBLEMS until greedy decoding reproduces every one of them with a
-    logit margin of 2 (teacher-forced argmax right everywhere), then save over the random weights."""
+    logit margin of 2 (teacher-forced argmax right everywhere), then save over the random weights.
+
+    The weights saved are the ones the margin was measured on: the check comes before the optimizer step, as one
+    more Adam step at this learning rate can turn a margin of 2 negative (greedy decoding then leaves the script).
+    """
     from transformers import AutoModelForCausalLM
 
     data = [tokenize_conversation(tokenizer, _conversation(*p), TOOLS) for p in PROBLEMS]
@@ -85,11 +89,11 @@ def _sft(model_dir: Path, tokenizer, max_steps: int = 600) -> None:
                 right = logits.gather(1, target[:, None])[:, 0]
                 others = logits.scatter(1, target[:, None], float("-inf")).max(-1).values
                 margin = min(margin, (right - others).min().item())
-        optimizer.step()
-        optimizer.zero_grad()
         if margin > 2.0:
             model.save_pretrained(model_dir)
             return
+        optimizer.step()
+        optimizer.zero_grad()
     raise AssertionError(f"SFT did not fit the tool conversations in {max_steps} steps (margin {margin:.3f})")
 
 
