@@ -534,9 +534,9 @@ def packed_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tens
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
+    def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen):
         ctx.save_for_backward(q, k, v, cu_seqlens)
-        ctx.scale = scale
+        ctx.scale, ctx.max_seqlen = scale, max_seqlen
         seq_T, pos_T = packed_layout(cu_seqlens, q.shape[0])
         k, v = k.contiguous(), v.contiguous()
         return attention_forward(q.contiguous(), k, v, seq_T, pos_T, cu_seqlens[:-1].to(torch.int64),
@@ -546,18 +546,24 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, cu_seqlens = ctx.saved_tensors
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        with torch.enable_grad():  # eager per-segment attention, recomputed for its gradients
-            out = VarlenAttention(cu_seqlens, 1)._segment_forward(*leaves, ctx.scale)
+        max_seqlen = ctx.max_seqlen or max(int(cu_seqlens.diff().max()), 1)
+        # The trainer's own attention recomputed for its gradients (gradients need not be batch-invariant):
+        # FlashAttention's varlen kernel on CUDA in bf16, one call per layer; elsewhere exact per-segment
+        # SDPA. (Per-segment SDPA on the GPU made an RL step of 256 sequences 8.7x the default's.)
+        with torch.enable_grad():
+            out = VarlenAttention(cu_seqlens, max_seqlen).forward(0, *leaves, ctx.scale)
             grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
-):
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+    max_seqlen: int | None = None,
+):  # fmt: skip
     """Causal attention inside each packed segment (VarlenAttention's meaning) with the batch-invariant
-    kernel: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-    return _VarlenAttention.apply(q, k, v, cu_seqlens.to(q.device), scale)
+    kernel: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. `max_seqlen` (the longest segment; computed when
+    not given) is for the backward's FlashAttention call."""
+    return _VarlenAttention.apply(q, k, v, cu_seqlens.to(q.device), scale, max_seqlen)
 
 
 @triton.jit
@@ -668,7 +674,7 @@ def attend(backend, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
     """A switched Attention module's attention: the trainer's VarlenAttention or the engine's
     PagedBatchInvariantAttention, both through the one kernel."""
     if isinstance(backend, VarlenAttention):
-        return varlen_attention(q, k, v, backend.cu_seqlens, scale)
+        return varlen_attention(q, k, v, backend.cu_seqlens, scale, backend.max_seqlen)
     if isinstance(backend, PagedBatchInvariantAttention):
         return backend.forward(layer_idx, q, k, v, scale)
     raise TypeError(

@@ -136,6 +136,24 @@ def _bf16():
     return {"dtype": torch.bfloat16, "device": "cuda"}
 
 
+def test_packed_attention_gradients_come_from_the_trainers_flash_kernel():
+    # the forward is the batch-invariant kernel; the backward recomputes FlashAttention's varlen attention
+    # (one call per layer, not a Python loop over segments): gradients within bf16 rounding of fp32 SDPA
+    lengths = [37, 300, 5, 120, 64]
+    attn = VarlenAttention.from_lengths(lengths, device="cuda")
+    num_tokens = sum(lengths)
+    q, k, v = (randn(num_tokens, heads, 64, seed=s).requires_grad_() for s, heads in ((1, 8), (2, 2), (3, 2)))
+    grad = randn(num_tokens, 8, 64, seed=4)
+    out = bi.varlen_attention(q, k, v, attn.cu_seqlens, 0.125, attn.max_seqlen)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    reference = VarlenAttention.from_lengths(lengths, device="cuda")._segment_forward(*leaves, 0.125)
+    want = torch.autograd.grad(reference, leaves, grad.float())
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w, atol=3e-2, rtol=3e-2)
+
+
 CUBLAS_GROUPS = {  # the matmuls of Qwen2.5-0.5B and -1.5B (qkv with bias; the LM head of the 152k vocab)
     "0.5b qkv": cr.LinearGroup(896, (896, 128, 128), True), "0.5b o": cr.LinearGroup(896, (896,), False),
     "0.5b gate_up": cr.LinearGroup(896, (4864, 4864), False), "0.5b down": cr.LinearGroup(4864, (896,), False),
