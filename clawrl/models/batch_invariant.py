@@ -64,7 +64,7 @@ import triton.language as tl
 from torch import nn
 
 from clawrl.models.attention import VarlenAttention
-from clawrl.models.cublas_rows import KernelLinear, choose_kernels, cublas_linear
+from clawrl.models.cublas_rows import choose_kernels, cublas_linear, kernel_linear, needs_autograd
 from clawrl.models.layers import RMSNorm, enable_train_kernels
 from clawrl.models.triton_train_ops import sm_count
 
@@ -273,7 +273,7 @@ def linear_forward(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with the batch-invariant kernel: x [..., K], weight [N, K] -> [..., N] in x.dtype."""
-    out = KernelLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, linear_forward)
+    out = kernel_linear(x.reshape(-1, x.shape[-1]), weight, bias, linear_forward)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -297,26 +297,24 @@ def _rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel without autograd."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width).contiguous()
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight, out, width, eps, rows.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(width)
+        )  # fmt: skip
+    return out.view(x.shape)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        width = x.shape[-1]
-        rows = x.reshape(-1, width).contiguous()
-        out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        if rows.shape[0]:
-            _rms_norm_kernel[(rows.shape[0],)](
-                rows,
-                weight,
-                out,
-                width,
-                eps,
-                rows.stride(0),
-                out.stride(0),
-                BLOCK=triton.next_power_of_2(width),
-            )
-        return out.view(x.shape)
+        return rms_norm_forward(x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -329,7 +327,9 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of the last dim of x (clawrl.models.layers.RMSNorm's numerics), one program per row."""
-    return _RMSNorm.apply(x, weight, eps)
+    if needs_autograd(x, weight):
+        return _RMSNorm.apply(x, weight, eps)
+    return rms_norm_forward(x, weight, eps)  # the engine, no-grad passes: the same kernel, less host time
 
 
 # ------------------------------------------------------------------------------------ sampled log-probs

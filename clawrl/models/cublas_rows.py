@@ -83,6 +83,9 @@ def cublas_linear_forward(
         x_MK = x_pad
     out = torch.empty(padded, num_cols, dtype=x_MK.dtype, device=x_MK.device)
     weight_NK = weight_NK.contiguous()
+    if padded <= rows_per_block:  # one block (every decode step): no slicing
+        _product(x_MK, weight_NK, bias_N, out)
+        return out if padded == num_rows else out[:num_rows]
     for start in range(0, padded, rows_per_block):
         stop = min(start + rows_per_block, padded)
         _product(x_MK[start:stop], weight_NK, bias_N, out[start:stop])
@@ -108,12 +111,29 @@ class KernelLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    """True when a gradient will flow through these inputs (else a kernel's autograd.Function is skipped:
+    ~35 us of host time per call on a 2-core CPU, which the engine's eager prefill pays per layer)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def kernel_linear(x_MK, weight_NK, bias_N, forward_fn) -> torch.Tensor:
+    """KernelLinear where a gradient is needed, else `forward_fn` itself (the same bits)."""
+    if needs_autograd(x_MK, weight_NK, bias_N):
+        return KernelLinear.apply(x_MK, weight_NK, bias_N, forward_fn)
+    return forward_fn(x_MK, weight_NK, bias_N)
+
+
 def cublas_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows_per_block: int
 ) -> torch.Tensor:
     """F.linear by the checked cuBLAS blocks: x [..., K], weight [N, K] -> [..., N]."""
-    forward = functools.partial(cublas_linear_forward, rows_per_block=rows_per_block)
-    out = KernelLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, forward)
+    x_MK = x.reshape(-1, x.shape[-1])
+    if needs_autograd(x_MK, weight, bias):
+        forward = functools.partial(cublas_linear_forward, rows_per_block=rows_per_block)
+        out = KernelLinear.apply(x_MK, weight, bias, forward)
+    else:
+        out = cublas_linear_forward(x_MK, weight, bias, rows_per_block)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

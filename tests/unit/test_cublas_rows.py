@@ -63,6 +63,15 @@ def test_cublas_linear_gradients_are_f_linears():
         assert torch.equal(g, w)
 
 
+def test_without_gradients_the_blocks_skip_autograd_and_keep_the_bits():
+    x, weight, bias = integer_valued(70, 16), integer_valued(12, 16, seed=1), integer_valued(12, seed=2)
+    with_grad = cr.cublas_linear(x, weight.requires_grad_(), bias, rows_per_block=64)
+    with torch.inference_mode():  # the engine: the forward itself, no autograd.Function around it
+        plain = cr.cublas_linear(x, weight, bias, rows_per_block=64)
+    assert with_grad.grad_fn is not None and plain.grad_fn is None
+    assert torch.equal(plain, with_grad.detach())
+
+
 # -- the check -------------------------------------------------------------------------------------------
 def row_by_row(x_MK, weight_NK, bias_N, out_MN):
     """Each row by the same op on its own: row-invariant by construction."""
