@@ -1,8 +1,9 @@
 """--true-on-policy-mode's matmuls on cuBLAS: the set-up check's verdicts and what they buy, per model shape.
 
 For each group of a Qwen2.5-shaped model's matmuls (qkv with bias, o, gate_up, down, the LM head), runs
-clawrl.models.cublas_rows.group_kernel (the set-up check) on this GPU in bf16 (timed: it runs at every engine and trainer start
-in the mode), then times at each row count, inside CUDA graphs as the engine's decode runs them:
+clawrl.models.cublas_rows.group_kernel (the set-up check) on this GPU in bf16 (timed: it runs at every engine
+and trainer start in the mode), then times at each row count, inside CUDA graphs as the engine's decode runs
+them:
     default   F.linear (what the default mode's engine runs),
     cublas    cublas_rows.cublas_linear_forward (rows padded to 64, blocks of block_rows),
     triton    the batch-invariant Triton linear (the mode's kernel for a group that fails the check).

@@ -651,16 +651,16 @@ class BatchInvariantLinear(nn.Linear):
     """Set by enable_batch_invariant (cublas_rows.choose_kernels): 0 = the Triton kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return head_linear(self, x, self.weight)
+        return layer_linear(self, x)
 
 
-def head_linear(layer: nn.Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`layer`'s product by the kernel enable_batch_invariant chose for it, with `weight` (the trainer's
-    log-prob pass gives the LM head's weight itself)."""
+def layer_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer`'s product by the kernel enable_batch_invariant chose for it (also the trainer's log-prob
+    pass, which applies the LM head to the response rows only)."""
     rows_per_block = getattr(layer, "cublas_block_rows", 0)
     if rows_per_block:
-        return cublas_linear(x, weight, layer.bias, rows_per_block)
-    return linear(x, weight, layer.bias)
+        return cublas_linear(x, layer.weight, layer.bias, rows_per_block)
+    return linear(x, layer.weight, layer.bias)
 
 
 class BatchInvariantRMSNorm(RMSNorm):

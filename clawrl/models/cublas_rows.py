@@ -6,7 +6,7 @@ so the engine's decode batch and the trainer's packed micro-batch get the same b
 row follow the row count. But for a given (K, N, dtype) on a given GPU, a row's bits may well be the same
 at every row count in a range: then a call whose row count is always inside that range can take cuBLAS.
 
-The contract (`CublasLinear`): rows are padded with zeros to a multiple of ROW_QUANTUM and cut into blocks
+The contract (`cublas_linear_forward`): rows are padded with zeros to a multiple of ROW_QUANTUM and cut into blocks
 of at most `block_rows` rows, each block one `torch.mm` / `torch.addmm` into its slice of the output. Every
 call therefore multiplies 64, 128, ..., block_rows rows. `rows_check` runs exactly those products on random
 data and accepts a group of layers only if every row gets the bits of the `block_rows`-row product:
@@ -20,9 +20,9 @@ data and accepts a group of layers only if every row gets the bits of the `block
 
 A group that fails keeps the Triton kernel. (Measured on an H100: every 0.5B / 1.5B group passes but the
 down_proj, whose long K cuBLAS splits at 64-192 rows; K cut into 2048-element chunks, each an fp32-output
-product added in order, passes the check but runs slower than the Triton linear, so it is not used.) The verdict depends on the shapes, the dtype and the GPU, never
-on the weights' values, and is computed the same way by the engine and the trainer, so both take the same
-kernel for a layer. It is cached per process. Not covered: a global cuBLAS setting changed between the check
+product added in order, passes the check but runs slower than the Triton linear, so it is not used.) The
+verdict depends on the shapes, the dtype and the GPU, never on the weights' values, and is computed the same
+way by the engine and the trainer, so both take the same kernel for a layer. It is cached per process. Not covered: a global cuBLAS setting changed between the check
 and the run (torch.backends.cuda.matmul.*); both sides run with the defaults.
 
 Shapes: M = rows, K = input features, N = output features.
@@ -30,7 +30,7 @@ Shapes: M = rows, K = input features, N = output features.
 
 from __future__ import annotations
 
-import functools
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -93,14 +93,14 @@ def cublas_linear_forward(
 
 
 class KernelLinear(torch.autograd.Function):
-    """x [M, K] @ weight [N, K]^T (+ bias) by `forward_fn(x, weight, bias)` (a kernel whose bits matter);
-    the backward is plain torch (gradients need not be batch-invariant)."""
+    """x [M, K] @ weight [N, K]^T (+ bias) by `forward_fn(x, weight, bias, *args)` (a kernel whose bits
+    matter); the backward is plain torch (gradients need not be batch-invariant)."""
 
     @staticmethod
-    def forward(ctx, x_MK, weight_NK, bias_N, forward_fn):
+    def forward(ctx, x_MK, weight_NK, bias_N, forward_fn, args):
         ctx.save_for_backward(x_MK, weight_NK)
         ctx.has_bias = bias_N is not None
-        return forward_fn(x_MK, weight_NK, bias_N)
+        return forward_fn(x_MK, weight_NK, bias_N, *args)
 
     @staticmethod
     def backward(ctx, grad_MN):
@@ -108,7 +108,7 @@ class KernelLinear(torch.autograd.Function):
         grad_x = grad_MN @ weight_NK if ctx.needs_input_grad[0] else None
         grad_w = grad_MN.t() @ x_MK if ctx.needs_input_grad[1] else None
         grad_b = grad_MN.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:
@@ -117,23 +117,18 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def kernel_linear(x_MK, weight_NK, bias_N, forward_fn) -> torch.Tensor:
+def kernel_linear(x_MK, weight_NK, bias_N, forward_fn, *args) -> torch.Tensor:
     """KernelLinear where a gradient is needed, else `forward_fn` itself (the same bits)."""
     if needs_autograd(x_MK, weight_NK, bias_N):
-        return KernelLinear.apply(x_MK, weight_NK, bias_N, forward_fn)
-    return forward_fn(x_MK, weight_NK, bias_N)
+        return KernelLinear.apply(x_MK, weight_NK, bias_N, forward_fn, args)
+    return forward_fn(x_MK, weight_NK, bias_N, *args)
 
 
 def cublas_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows_per_block: int
 ) -> torch.Tensor:
     """F.linear by the checked cuBLAS blocks: x [..., K], weight [N, K] -> [..., N]."""
-    x_MK = x.reshape(-1, x.shape[-1])
-    if needs_autograd(x_MK, weight, bias):
-        forward = functools.partial(cublas_linear_forward, rows_per_block=rows_per_block)
-        out = KernelLinear.apply(x_MK, weight, bias, forward)
-    else:
-        out = cublas_linear_forward(x_MK, weight, bias, rows_per_block)
+    out = kernel_linear(x.reshape(-1, x.shape[-1]), weight, bias, cublas_linear_forward, rows_per_block)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -212,7 +207,7 @@ def _run_rows_check(
         bounds.append(bounds[-1] + width)
     parts = [
         (slice(lo, hi), weight[lo:hi].contiguous(), None if bias is None else bias[lo:hi].contiguous())
-        for lo, hi in zip(bounds, bounds[1:], strict=False)
+        for lo, hi in itertools.pairwise(bounds)
     ] if len(group.widths) > 1 else []  # fmt: skip
 
     def product(x_MK, weight_NK, bias_N):
@@ -261,7 +256,7 @@ def _graphs_check(x, weight, bias, parts, reference, product) -> bool:
 
 
 def group_kernel(group: LinearGroup, dtype: torch.dtype, device: torch.device) -> str:
-    """ "cublas" where the group passes the check on this CUDA device, else "triton"."""
+    """`"cublas"` where the group passes the check on this CUDA device, else "triton"."""
     return "cublas" if device.type == "cuda" and rows_check(group, dtype, device) else "triton"
 
 

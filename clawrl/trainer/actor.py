@@ -140,9 +140,8 @@ class TrainActor:
             if model_cfg.uses_true_on_policy:  # the engines' batch-invariant kernels (--true-on-policy-mode)
                 from clawrl.models.batch_invariant import enable_batch_invariant
 
-                enable_batch_invariant(
-                    model, compute_dtype=torch.bfloat16 if self.device.type == "cuda" else None
-                )
+                on_gpu = self.device.type == "cuda"  # fp32 master weights, bf16 forward (its cuBLAS check)
+                enable_batch_invariant(model, compute_dtype=torch.bfloat16 if on_gpu else None)
             elif self.job.train.train_kernels == "triton":  # fused RMSNorm/SiLU/RoPE on CUDA tensors only
                 enable_train_kernels(model)
         if self.lora is not None:  # before wrapping: FSDP2 shards the frozen base and the adapters alike

@@ -73,7 +73,7 @@ def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: b
     if getattr(model, "batch_invariant", False):  # --true-on-policy-mode: the engine's LM-head and log-prob
         from clawrl.models import batch_invariant  # kernels (imports Triton: only in this mode)
 
-        logits = batch_invariant.head_linear(model.lm_head, hidden[mb.logit_rows_M], model.lm_head.weight)
+        logits = batch_invariant.layer_linear(model.lm_head, hidden[mb.logit_rows_M])
         return batch_invariant.log_probs_of(logits, mb.targets_M, temperature, with_entropy=with_entropy)
     return linear_log_probs(
         hidden[mb.logit_rows_M], model.lm_head.weight, mb.targets_M, temperature=temperature,

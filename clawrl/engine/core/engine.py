@@ -129,9 +129,8 @@ class Engine:
             if config.true_on_policy_mode and self.device.type == "cuda":
                 from clawrl.models.batch_invariant import enable_batch_invariant
 
-                enable_batch_invariant(
-                    self.model
-                )  # its cuBLAS row checks, before the KV cache takes the memory
+                # its cuBLAS row checks run now, before the KV cache takes the memory
+                enable_batch_invariant(self.model)
             self.kv_cache = build_kv_cache(
                 config, self.model_args, dtype=dtype, device=self.device, stable=stable
             )
