@@ -52,6 +52,9 @@ class VarlenAttention:
         self.max_seqlen = int(max_seqlen)
         self._host_bounds: list[int] | None = None  # filled once per batch, not once per layer
         self._device_cu_seqlens: torch.Tensor | None = None
+        self.derived: dict = {}
+        """Per-batch values other kernels derive from cu_seqlens, kept here once per forward, not per layer
+        (the batch-invariant attention's query blocks)."""
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], device: torch.device | str = "cpu") -> VarlenAttention:

@@ -16,10 +16,15 @@ two sides share (K, head_dim, vocab, context position) and never by the row coun
     o = varlen_attention(q, k, v, cu_seqlens, scale)      # the trainer's packed sequences
     PagedBatchInvariantAttention(kv_cache)                # the engine's paged cache, the same kernel
 
-Attention: one program per (query token, KV head) attends over that sequence's keys 0..p (p = the query's
-position) in chunks of BLOCK_N positions starting at 0, online softmax in fp32, no split over the keys. Keys
-are found through an index (paged: row = block_table[s, p // page] * page + p % page; packed: row =
-cu_seqlens[s] + p), so the arithmetic is the same whichever side calls it.
+Attention: each query row (one query token, one query head) attends over its sequence's keys 0..p (p =
+the query's position) in chunks of BLOCK_N positions starting at 0, online softmax in fp32, no split over
+the keys. Keys are found through an index (paged: row = block_table[s, p // page] * page + p % page;
+packed: row = cu_seqlens[s] + p), so the arithmetic is the same whichever side calls it. A program takes a
+tile of ATTENTION_ROWS rows: the query heads of one KV head for up to ATTENTION_ROWS // (Hq / Hkv)
+consecutive tokens of one sequence (prefill and the trainer's packed forward; 2 tokens for Qwen2.5's 7 or 6
+heads per KV head), or for one token (decode). Chunks past a row's own position are masked out for it, and
+a fully masked chunk leaves its softmax state unchanged bit for bit, so a row's result does not depend on
+which tokens share its program.
 
 Assumption of `linear` (the GPU test tests/gpu/test_true_on_policy.py checks it): an output element's value
 depends only on its row of x and its row of the weight, not on which row or column block it falls in nor on
@@ -42,8 +47,8 @@ chunks then run on separate programs, each writing its fp32 chunk sum, and a red
 chunk order (linear_splits). The one-program path adds the same chunk sums in the same order, so the
 split changes the speed only, never a bit: the order depends on K alone.
 
-Cost: no split-KV leaves small decode batches' attention with fewer programs than SMs, and the attention
-kernel re-reads keys per query token; logits are bf16 (the engine's) instead of the trainer's fp32.
+Cost: no split-KV leaves small decode batches' attention with fewer programs than SMs, and prefill's
+attention re-reads keys per block of query tokens; logits are bf16 (the engine's) instead of the trainer's fp32.
 
 On CPU the kernels run only under the Triton interpreter (TRITON_INTERPRET=1, tests); there every dot is
 an explicit fp32 multiply-and-sum in k order (_sum_dot), not numpy's matmul (bf16 operands would be
@@ -437,29 +442,102 @@ def sampled_log_probs(logits_MV, tokens_M, temperatures_M, *, out: torch.Tensor)
 
 
 # ---------------------------------------------------------------------------------------------- attention
+ATTENTION_ROWS = 16
+"""Rows of a program's q tile: (query token, query head) pairs, BLOCK_M = ATTENTION_ROWS // GROUP tokens of
+one sequence for the query heads of one KV head (GROUP = Hq / Hkv). One value for every caller (the tile's
+shape is part of the arithmetic); a decode row fills GROUP of them."""
+
+
+PREFILL_QUERY_BLOCKS = False
+"""Whether prefill and the trainer's packed forward put several tokens in a program (attention_block_m) or
+one (as decode). Off until tests/gpu/test_true_on_policy.py::test_paged_attention_equals_packed_attention
+has passed on a GPU: it asserts that a row's bits are the same either way on tensor cores (the CPU tests
+assert it under the interpreter). bench/batch_invariant_attention.py times both."""
+
+
+def layout_block_m(num_heads: int, num_kv_heads: int) -> int:
+    """Tokens per program of the model's prefill / packed attention calls."""
+    return attention_block_m(num_heads, num_kv_heads) if PREFILL_QUERY_BLOCKS else 1
+
+
+class QueryBlocks(NamedTuple):
+    """The programs of one attention call: program b takes queries token0[b] .. token0[b] + count[b] - 1, all
+    of sequence seq[b] (count 0: an unused program)."""
+
+    seq: torch.Tensor
+    token0: torch.Tensor
+    count: torch.Tensor
+
+
+def _tile_rows(group: int, rows: int | None) -> int:
+    return max(rows or ATTENTION_ROWS, triton.next_power_of_2(group))
+
+
+def attention_block_m(num_heads: int, num_kv_heads: int, rows: int | None = None) -> int:
+    """Query tokens per program: as many as fit the q tile (ATTENTION_ROWS, or `rows`) with their GROUP
+    heads each."""
+    group = num_heads // num_kv_heads
+    return _tile_rows(group, rows) // group
+
+
+def token_blocks(seq_T: torch.Tensor) -> QueryBlocks:
+    """One program per query token (a decode batch: each sequence has one new token); graph-safe."""
+    token = torch.arange(seq_T.numel(), device=seq_T.device)
+    return QueryBlocks(seq_T.to(torch.int64), token, torch.ones_like(token))
+
+
+def segment_blocks(starts: torch.Tensor, num_tokens: int, block_m: int) -> QueryBlocks:
+    """Programs for S sequences whose query tokens are contiguous: sequence s owns tokens starts[s] ..
+    starts[s + 1] - 1 (starts [S + 1]); tokens from starts[S] to num_tokens (padding) get programs of their
+    own (seq S - 1; their positions must be -1). No host sync: the grid is an upper bound (num_tokens //
+    block_m + S + 1 programs), the unused ones count 0 tokens."""
+    starts = starts.to(torch.int64)
+    num_seqs = starts.numel() - 1
+    bounds = torch.cat([starts, starts.new_full((1,), num_tokens)])
+    lengths = (bounds[1:] - bounds[:-1]).clamp(min=0)  # S sequences + the padding tail
+    per_segment = (lengths + block_m - 1) // block_m
+    ends = per_segment.cumsum(0)
+    block = torch.arange(num_tokens // block_m + num_seqs + 1, device=starts.device)
+    segment = torch.searchsorted(ends, block, right=True).clamp(max=num_seqs)
+    index = block - (ends - per_segment)[segment]
+    count = (lengths[segment] - index * block_m).clamp(0, block_m)
+    return QueryBlocks(segment.clamp(max=max(num_seqs - 1, 0)), bounds[segment] + index * block_m, count)
+
+
 @triton.jit(do_not_specialize=["stride_qn", "stride_on", "stride_kr", "stride_t"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, seq_ptr, pos_ptr, table_ptr, qk_scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, blk_seq_ptr, blk_tok_ptr, blk_cnt_ptr, table_ptr, qk_scale,
     stride_qn, stride_qh, stride_on, stride_oh, stride_kr, stride_kh, stride_t,
     GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     NEG_BIG: tl.constexpr,
 ):  # fmt: skip
-    """Grid (T, Hkv): the G query heads of one KV head of one query token over keys 0..pos of its sequence.
+    """Grid (programs, Hkv): up to ROWS // GROUP query tokens of one sequence, with the GROUP query heads of
+    one KV head each, over keys 0..max position; row (i, h) keeps only keys 0..pos[token0 + i].
 
-    Key row of position j: PAGED: table[seq, j // PAGE] * PAGE + j % PAGE; else table[seq] + j (the
-    sequence's first row). pos = -1 (padding) gives zeros. k and v share strides."""
-    token = tl.program_id(0).to(tl.int64)
+    A row's arithmetic does not depend on the other rows: its dot is a row of the same tile shape, and the
+    key chunks past its own position are masked to -inf, which leaves its running max, sum and accumulator
+    unchanged bit for bit (alpha = exp2(0) = 1, p = 0). Key row of position j: PAGED: table[seq, j // PAGE]
+    * PAGE + j % PAGE; else table[seq] + j. pos -1 (padding) gives zeros. k and v share strides."""
+    block = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    seq = tl.load(seq_ptr + token).to(tl.int64)
-    num_keys = tl.load(pos_ptr + token).to(tl.int32) + 1
+    seq = tl.load(blk_seq_ptr + block).to(tl.int64)
+    token0 = tl.load(blk_tok_ptr + block).to(tl.int64)
+    count = tl.load(blk_cnt_ptr + block).to(tl.int32)
     rows = tl.arange(0, ROWS)
-    heads = kv_head * GROUP + rows
+    row_token = rows // GROUP
+    valid = row_token < count
+    tokens = token0 + row_token
+    heads = kv_head * GROUP + rows % GROUP
+    limits = tl.load(pos_ptr + tokens, mask=valid, other=-1).to(tl.int32) + 1  # keys 0..pos: pos + 1 of them
+    num_keys = tl.max(limits, 0)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < D
-    io_mask = (rows < GROUP)[:, None] & d_mask[None, :]
+    io_mask = valid[:, None] & d_mask[None, :]
     q = tl.load(
-        q_ptr + token * stride_qn + heads[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0
+        q_ptr + tokens[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=io_mask,
+        other=0.0,
     )
     acc = tl.full([ROWS, D_PAD], 0, tl.float32)
     m_i = tl.full([ROWS], 0, tl.float32) + NEG_BIG
@@ -469,8 +547,8 @@ def _attention_kernel(
         kpos = start + tl.arange(0, BLOCK_N)
         k_mask = kpos < num_keys
         if PAGED:
-            block = tl.load(table_ptr + seq * stride_t + kpos // PAGE, mask=k_mask, other=0).to(tl.int64)
-            key_rows = block * PAGE + kpos % PAGE
+            page = tl.load(table_ptr + seq * stride_t + kpos // PAGE, mask=k_mask, other=0).to(tl.int64)
+            key_rows = page * PAGE + kpos % PAGE
         else:
             key_rows = first_row + kpos
         offsets = key_rows[:, None] * stride_kr + kv_head * stride_kh + offs_d[None, :]
@@ -480,7 +558,7 @@ def _attention_kernel(
             s = _sum_dot(q, tl.trans(k)) * qk_scale
         else:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(k_mask[None, :], s, float("-inf"))
+        s = tl.where(kpos[None, :] < limits[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -493,54 +571,59 @@ def _attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    out_ptrs = out_ptr + token * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
+    out_ptrs = out_ptr + tokens[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def attention_forward(
-    q_THD: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, seq_T: torch.Tensor, pos_T: torch.Tensor,
-    table: torch.Tensor, scale: float, *, page: int | None,
+    q_THD: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, pos_T: torch.Tensor, blocks: QueryBlocks,
+    table: torch.Tensor, scale: float, *, page: int | None, rows: int | None = None, num_warps: int = 4,
 ) -> torch.Tensor:  # fmt: skip
-    """The kernel: q [T, Hq, D]; k/v rows [R, Hkv, D] (a flattened paged cache, or packed k/v); seq_T / pos_T
-    each query's sequence and position (-1: padding); table [S, W] block ids (`page` tokens each) or, with
-    page None, [S] first rows of packed sequences -> [T, Hq, D] in q's dtype."""
+    """The kernel: q [T, Hq, D]; k/v rows [R, Hkv, D] (a flattened paged cache, or packed k/v); pos_T each
+    query's position (-1: padding); `blocks` the programs (token_blocks / segment_blocks, built with
+    attention_block_m's count, which every token must be covered by); table [S, W] block ids (`page` tokens
+    each) or, with page None, [S] first rows of packed sequences -> [T, Hq, D] in q's dtype. `rows` and
+    `num_warps` are for benchmarks: callers that must agree keep the defaults."""
     assert k_rows.stride() == v_rows.stride() and k_rows.stride(-1) == 1 and q_THD.stride(-1) == 1
     assert q_THD.dtype == k_rows.dtype == v_rows.dtype, (q_THD.dtype, k_rows.dtype)
     num_tokens, num_heads, head_dim = q_THD.shape
     num_kv_heads = k_rows.shape[1]
     group = num_heads // num_kv_heads
+    tile_rows = _tile_rows(group, rows)
     out = torch.empty_like(q_THD)
     if num_tokens == 0:
         return out
     table = table if table.dim() == 2 else table.unsqueeze(1)
-    _attention_kernel[(num_tokens, num_kv_heads)](
-        q_THD, k_rows, v_rows, out, seq_T, pos_T, table, scale * _LOG2E,
+    _attention_kernel[(blocks.seq.numel(), num_kv_heads)](
+        q_THD, k_rows, v_rows, out, pos_T, blocks.seq, blocks.token0, blocks.count, table, scale * _LOG2E,
         q_THD.stride(0), q_THD.stride(1), out.stride(0), out.stride(1), k_rows.stride(0), k_rows.stride(1),
-        table.stride(0), GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), D=head_dim,
+        table.stride(0), GROUP=group, ROWS=tile_rows, D=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=ATTENTION_BLOCK_N, PAGE=page or 1,
-        PAGED=page is not None, **_dot_options(q_THD.dtype), NEG_BIG=_NEG_BIG, num_warps=4,
+        PAGED=page is not None, **_dot_options(q_THD.dtype), NEG_BIG=_NEG_BIG, num_warps=num_warps,
     )  # fmt: skip
     return out
 
 
-def packed_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, position) of each of `num_tokens` packed tokens; tokens past cu_seqlens[-1] get position -1."""
+def packed_layout(
+    cu_seqlens: torch.Tensor, num_tokens: int, block_m: int
+) -> tuple[torch.Tensor, QueryBlocks]:  # fmt: skip
+    """Positions of `num_tokens` packed tokens (tokens past cu_seqlens[-1] get -1) and their query blocks."""
     token = torch.arange(num_tokens, device=cu_seqlens.device)
     cu = cu_seqlens.to(torch.int64)
     seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=cu.numel() - 2)
     pos = torch.where(token < cu[-1], token - cu[seq], -1)
-    return seq, pos
+    return pos, segment_blocks(cu, num_tokens, block_m)
 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen):
+    def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen, layout):
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.scale, ctx.max_seqlen = scale, max_seqlen
-        seq_T, pos_T = packed_layout(cu_seqlens, q.shape[0])
+        pos_T, blocks = layout
         k, v = k.contiguous(), v.contiguous()
-        return attention_forward(q.contiguous(), k, v, seq_T, pos_T, cu_seqlens[:-1].to(torch.int64),
-                                 scale, page=None)  # fmt: skip
+        return attention_forward(q.contiguous(), k, v, pos_T, blocks, cu_seqlens[:-1].to(torch.int64), scale,
+                                 page=None)  # fmt: skip
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -553,17 +636,25 @@ class _VarlenAttention(torch.autograd.Function):
         with torch.enable_grad():
             out = VarlenAttention(cu_seqlens, max_seqlen).forward(0, *leaves, ctx.scale)
             grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-    max_seqlen: int | None = None,
+    max_seqlen: int | None = None, backend: VarlenAttention | None = None,
 ):  # fmt: skip
     """Causal attention inside each packed segment (VarlenAttention's meaning) with the batch-invariant
     kernel: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. `max_seqlen` (the longest segment; computed when
-    not given) is for the backward's FlashAttention call."""
-    return _VarlenAttention.apply(q, k, v, cu_seqlens.to(q.device), scale, max_seqlen)
+    not given) is for the backward's FlashAttention call; `backend` (the forward's VarlenAttention, whose
+    cu_seqlens these are) keeps the query blocks from one layer to the next."""
+    cu_seqlens = cu_seqlens.to(q.device)
+    key = ("batch_invariant_layout", q.shape[0], layout_block_m(q.shape[1], k.shape[1]))
+    layout = backend.derived.get(key) if backend is not None else None
+    if layout is None:
+        layout = packed_layout(cu_seqlens, q.shape[0], key[2])
+        if backend is not None:
+            backend.derived[key] = layout
+    return _VarlenAttention.apply(q, k, v, cu_seqlens, scale, max_seqlen, layout)
 
 
 @triton.jit
@@ -624,22 +715,25 @@ class PagedBatchInvariantAttention:
         k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
         kv_cache_write(k.to(k_rows.dtype), v.to(v_rows.dtype), batch.slot_mapping_N, k_cache, v_cache)
         if layer_idx == 0 or self.layout is None:  # once per forward (inside the CUDA graph when captured)
-            self.layout = self._layout(q.shape[0])
-        seq_T, pos_T = self.layout
-        return attention_forward(q.contiguous(), k_rows, v_rows, seq_T, pos_T, batch.block_tables, scale,
+            self.layout = self._layout(q.shape[0], layout_block_m(q.shape[1], k.shape[1]))
+        pos_T, blocks = self.layout
+        return attention_forward(q.contiguous(), k_rows, v_rows, pos_T, blocks, batch.block_tables, scale,
                                  page=k_cache.shape[1])  # fmt: skip
 
-    def _layout(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence, position) of each new token: decode: row s at ctx_lens[s] - 1 (-1 for padding rows);
-        prefill: the last q_len of each sequence's ctx_lens positions."""
+    def _layout(self, num_tokens: int, block_m: int) -> tuple[torch.Tensor, QueryBlocks]:
+        """Position of each new token and the programs: decode: row s at ctx_lens[s] - 1 (-1 for padding
+        rows), one program each; prefill: the last q_len of each sequence's ctx_lens positions, in blocks of
+        `block_m` tokens of one sequence (tokens after the last sequence's: -1)."""
         batch = self.batch
         ctx = batch.ctx_lens.to(torch.int64)
         if batch.query_start is None:
-            return torch.arange(num_tokens, device=ctx.device), ctx - 1
+            return ctx - 1, token_blocks(torch.arange(num_tokens, device=ctx.device))
         starts = batch.query_start.to(torch.int64)
         token = torch.arange(num_tokens, device=ctx.device)
         seq = torch.searchsorted(starts[1:], token, right=True).clamp(max=ctx.numel() - 1)
-        return seq, ctx[seq] - (starts[seq + 1] - starts[seq]) + (token - starts[seq])
+        pos = ctx[seq] - (starts[seq + 1] - starts[seq]) + (token - starts[seq])
+        pos = torch.where(token < starts[-1], pos, -1)
+        return pos, segment_blocks(starts, num_tokens, block_m)
 
 
 # ----------------------------------------------------------------------------------------- model switch
@@ -674,7 +768,7 @@ def attend(backend, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
     """A switched Attention module's attention: the trainer's VarlenAttention or the engine's
     PagedBatchInvariantAttention, both through the one kernel."""
     if isinstance(backend, VarlenAttention):
-        return varlen_attention(q, k, v, backend.cu_seqlens, scale, backend.max_seqlen)
+        return varlen_attention(q, k, v, backend.cu_seqlens, scale, backend.max_seqlen, backend)
     if isinstance(backend, PagedBatchInvariantAttention):
         return backend.forward(layer_idx, q, k, v, scale)
     raise TypeError(

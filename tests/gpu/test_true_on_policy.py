@@ -123,13 +123,16 @@ def test_paged_attention_equals_packed_attention():
     k_cache.view(-1, 2, 64)[slots], v_cache.view(-1, 2, 64)[slots] = k[:300], v[:300]
     table = blocks[None, :]
     for first in (0, 120, 299):  # a prefill chunk, a later chunk, one decode row
-        seq, pos = (
-            torch.zeros(300 - first, dtype=torch.int64, device="cuda"),
-            torch.arange(first, 300, device="cuda"),
+        count = 300 - first
+        pos = torch.arange(first, 300, device="cuda")
+        prefill = bi.segment_blocks(
+            torch.tensor([0, count], device="cuda"), count, bi.attention_block_m(14, 2)
         )
-        out = bi.attention_forward(q[first:300], k_cache.flatten(0, 1), v_cache.flatten(0, 1), seq, pos, table,
-                                   0.125, page=page)  # fmt: skip
-        assert torch.equal(out, packed[first:300]), first
+        decode = bi.token_blocks(torch.zeros(count, dtype=torch.int64, device="cuda"))  # one token a program
+        for programs in (prefill, decode):
+            out = bi.attention_forward(q[first:300], k_cache.flatten(0, 1), v_cache.flatten(0, 1), pos, programs,
+                                       table, 0.125, page=page)  # fmt: skip
+            assert torch.equal(out, packed[first:300]), (first, programs.count.max().item())
 
 
 def _bf16():

@@ -85,6 +85,21 @@ def test_trainer_log_probs_equal_the_engines_bit_for_bit(ckpt, rollout):
     assert torch.equal(got, expected), (got - expected).abs().max()
 
 
+def test_trainer_with_several_tokens_per_attention_program_still_equals_the_engine(
+    ckpt, rollout, monkeypatch
+):
+    # the engine ran one token per attention program; the trainer's packed forward now puts up to 8 tokens
+    # (16 rows / 2 query heads per KV head) of a sequence in one: a row's bits must not change
+    from clawrl.models import batch_invariant as bi
+
+    monkeypatch.setattr(bi, "PREFILL_QUERY_BLOCKS", True)
+    assert bi.layout_block_m(4, 2) == 8
+    tokens, response_lengths, engine_log_probs = rollout
+    expected = torch.tensor([lp for row in engine_log_probs for lp in row], dtype=torch.float32)
+    got = trainer_log_probs(ckpt, tokens, response_lengths, batch_invariant=True)
+    assert torch.equal(got, expected), (got - expected).abs().max()
+
+
 def test_default_trainer_path_differs(ckpt, rollout):
     tokens, response_lengths, engine_log_probs = rollout
     expected = torch.tensor([lp for row in engine_log_probs for lp in row], dtype=torch.float32)

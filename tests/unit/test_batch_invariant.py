@@ -141,6 +141,36 @@ def test_varlen_attention_matches_eager_and_is_batch_invariant():
     assert torch.equal(bi.varlen_attention(q[7:20], k[7:20], v[7:20], alone.cu_seqlens, 0.25), out[7:20])
 
 
+def test_segment_blocks_cover_each_token_once():
+    # sequences of 3, 0 and 7 query tokens, then 2 padding tokens; programs of up to 4 tokens
+    blocks = bi.segment_blocks(torch.tensor([0, 3, 3, 10], device=DEVICE), 12, 4)
+    assert blocks.seq.numel() == 12 // 4 + 3 + 1  # the host's upper bound: no sync for the grid
+    used = blocks.count > 0
+    got = list(
+        zip(blocks.seq[used].tolist(), blocks.token0[used].tolist(), blocks.count[used].tolist(), strict=True)
+    )
+    assert got == [(0, 0, 3), (2, 3, 4), (2, 7, 3), (2, 10, 2)]  # the padding tail: the last sequence's id
+    assert blocks.count[~used].eq(0).all()
+
+
+def test_a_rows_result_does_not_depend_on_the_tokens_sharing_its_program():
+    lengths = [7, 13, 1]  # + 3 padding tokens
+    q, k, v = packed_qkv([*lengths, 3], seed=6)
+    cu = VarlenAttention.from_lengths(lengths, device=DEVICE).cu_seqlens
+    num_tokens = q.shape[0]
+    block_m = bi.attention_block_m(4, 2)
+    pos, blocks = bi.packed_layout(cu, num_tokens, block_m)
+    assert pos[-3:].eq(-1).all() and blocks.count.max() == block_m > 1
+    first_rows = cu[:-1].to(torch.int64)
+    together = bi.attention_forward(q, k, v, pos, blocks, first_rows, 0.25, page=None)
+    seq = torch.searchsorted(cu[1:].to(torch.int64), torch.arange(num_tokens, device=DEVICE), right=True)
+    alone = bi.attention_forward(q, k, v, pos, bi.token_blocks(seq.clamp(max=2)), first_rows, 0.25, page=None)
+    assert torch.equal(together, alone)
+    assert not together[-3:].any()  # padding rows: zeros
+    torch.testing.assert_close(together[:21], VarlenAttention(cu, 13).forward(0, q, k, v, 0.25)[:21],
+                               atol=1e-6, rtol=1e-5)  # fmt: skip
+
+
 def test_paged_cache_gives_the_packed_result():
     """The engine's view: one sequence's 13 keys scattered over 4-token pages in a shuffled order; its
     last 5 tokens as a prefill chunk, and its last token as one decode row beside a padding row."""
@@ -152,14 +182,17 @@ def test_paged_cache_gives_the_packed_result():
     for pos in range(13):
         k_cache[blocks[pos // page], pos % page], v_cache[blocks[pos // page], pos % page] = k[pos], v[pos]
     table = torch.tensor([blocks, [0, 0, 0, 0]], dtype=torch.int32, device=DEVICE)
-    seq, pos = torch.tensor([0, 0, 0, 0, 0]), torch.arange(8, 13)
-    chunk = bi.attention_forward(q[8:13], k_cache.flatten(0, 1), v_cache.flatten(0, 1), seq.to(DEVICE),
-                                 pos.to(DEVICE), table, 0.25, page=page)  # fmt: skip
-    assert torch.equal(chunk, packed[8:13])
+    pos = torch.arange(8, 13, device=DEVICE)
+    assert bi.attention_block_m(4, 2) == 8  # 16 rows: 8 tokens x 2 query heads per KV head
+    for block_m in (1, 2, 8):  # the chunk's 5 tokens in programs of 1, 2 or all 5 tokens
+        blocks = bi.segment_blocks(torch.tensor([0, 5], device=DEVICE), 5, block_m)
+        chunk = bi.attention_forward(q[8:13], k_cache.flatten(0, 1), v_cache.flatten(0, 1), pos, blocks, table,
+                                     0.25, page=page)  # fmt: skip
+        assert torch.equal(chunk, packed[8:13]), block_m
     decode_q = torch.stack([q[12], q[0]])
     decode = bi.attention_forward(decode_q, k_cache.flatten(0, 1), v_cache.flatten(0, 1),
-                                  torch.tensor([0, 1], device=DEVICE), torch.tensor([12, -1], device=DEVICE),
-                                  table, 0.25, page=page)  # fmt: skip
+                                  torch.tensor([12, -1], device=DEVICE),
+                                  bi.token_blocks(torch.tensor([0, 1], device=DEVICE)), table, 0.25, page=page)  # fmt: skip
     assert torch.equal(decode[0], packed[12])
     assert torch.equal(decode[1], torch.zeros_like(decode[1]))  # padding row (no context)
 
