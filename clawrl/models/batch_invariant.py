@@ -20,9 +20,9 @@ Attention: each query row (one query token, one query head) attends over its seq
 the query's position) in chunks of BLOCK_N positions starting at 0, online softmax in fp32, no split over
 the keys. Keys are found through an index (paged: row = block_table[s, p // page] * page + p % page;
 packed: row = cu_seqlens[s] + p), so the arithmetic is the same whichever side calls it. A program takes a
-tile of ATTENTION_ROWS rows: the query heads of one KV head for up to ATTENTION_ROWS // (Hq / Hkv)
-consecutive tokens of one sequence (prefill and the trainer's packed forward; 2 tokens for Qwen2.5's 7 or 6
-heads per KV head), or for one token (decode). Chunks past a row's own position are masked out for it, and
+tile of ATTENTION_ROWS rows: the query heads of one KV head for one token (decode; prefill and the
+trainer's packed forward too while PREFILL_QUERY_BLOCKS is off), or for up to ATTENTION_ROWS // (Hq / Hkv)
+consecutive tokens of one sequence (2 tokens for Qwen2.5's 7 or 6 heads per KV head). Chunks past a row's own position are masked out for it, and
 a fully masked chunk leaves its softmax state unchanged bit for bit, so a row's result does not depend on
 which tokens share its program.
 
@@ -48,7 +48,7 @@ chunk order (linear_splits). The one-program path adds the same chunk sums in th
 split changes the speed only, never a bit: the order depends on K alone.
 
 Cost: no split-KV leaves small decode batches' attention with fewer programs than SMs, and prefill's
-attention re-reads keys per block of query tokens; logits are bf16 (the engine's) instead of the trainer's fp32.
+attention re-reads keys per query token (per block of tokens with PREFILL_QUERY_BLOCKS); logits are bf16 (the engine's) instead of the trainer's fp32.
 
 On CPU the kernels run only under the Triton interpreter (TRITON_INTERPRET=1, tests); there every dot is
 an explicit fp32 multiply-and-sum in k order (_sum_dot), not numpy's matmul (bf16 operands would be
@@ -486,6 +486,12 @@ def token_blocks(seq_T: torch.Tensor) -> QueryBlocks:
     return QueryBlocks(seq_T.to(torch.int64), token, torch.ones_like(token))
 
 
+def query_blocks(seq_T: torch.Tensor, starts: torch.Tensor, num_tokens: int, block_m: int) -> QueryBlocks:
+    """The programs of a prefill or packed call: token_blocks (seq_T: each token's sequence) for one token a
+    program, else segment_blocks."""
+    return token_blocks(seq_T) if block_m == 1 else segment_blocks(starts, num_tokens, block_m)
+
+
 def segment_blocks(starts: torch.Tensor, num_tokens: int, block_m: int) -> QueryBlocks:
     """Programs for S sequences whose query tokens are contiguous: sequence s owns tokens starts[s] ..
     starts[s + 1] - 1 (starts [S + 1]); tokens from starts[S] to num_tokens (padding) get programs of their
@@ -612,7 +618,7 @@ def packed_layout(
     cu = cu_seqlens.to(torch.int64)
     seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=cu.numel() - 2)
     pos = torch.where(token < cu[-1], token - cu[seq], -1)
-    return pos, segment_blocks(cu, num_tokens, block_m)
+    return pos, query_blocks(seq, cu, num_tokens, block_m)
 
 
 class _VarlenAttention(torch.autograd.Function):
@@ -733,7 +739,7 @@ class PagedBatchInvariantAttention:
         seq = torch.searchsorted(starts[1:], token, right=True).clamp(max=ctx.numel() - 1)
         pos = ctx[seq] - (starts[seq + 1] - starts[seq]) + (token - starts[seq])
         pos = torch.where(token < starts[-1], pos, -1)
-        return pos, segment_blocks(starts, num_tokens, block_m)
+        return pos, query_blocks(seq, starts, num_tokens, block_m)
 
 
 # ----------------------------------------------------------------------------------------- model switch
